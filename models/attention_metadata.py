@@ -1,0 +1,32 @@
+"""The batch layout every attention layer needs for one step.
+
+It lives on the models side so that `models/` never imports `spmd_engine`: the engine builds
+one of these per step (from the rank-0 plan) and passes it explicitly into `model.forward`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Flattened (varlen) batch: T tokens from B sequences, KV read through block tables.
+
+    Token t of sequence b sits at position `seq_lens[b] - query_len[b] + i` and attends to every
+    key at a position <= its own (causal mask aligned lower-right, so a cached prefix is seen).
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64: KV-cache slot (block * block_size + offset); -1 = padding, not stored
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32: query offsets into the T tokens
+    seq_lens: torch.Tensor  # [B] int32: keys per sequence after this step (cached + new)
+    block_tables: torch.Tensor  # [B, max_blocks] int32: KV block ids per sequence (unused tail arbitrary)
+    max_query_len: int  # max over B of query lengths (host int, no device sync needed)
+    max_seq_len: int  # max over B of seq_lens (host int)
+    block_size: int
+    is_decode: bool  # every sequence has query length 1 (enables the decode kernel / CUDA graphs)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
