@@ -8,8 +8,12 @@ plans update, so a decode step ships a few bytes per sequence instead of whole t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from spmd_engine.scheduler import ScheduleOutput
 
 COMMAND_FORWARD = "forward"
 COMMAND_STOP = "stop"
@@ -35,8 +39,6 @@ class StepPlan:
     new_block_counts: np.ndarray = field(default_factory=lambda: _empty(np.int32))  # [B] blocks appended
     new_block_ids: np.ndarray = field(default_factory=lambda: _empty(np.int32))  # [sum(new_block_counts)]
     dropped_seq_ids: np.ndarray = field(default_factory=lambda: _empty(np.int64))  # tables to forget
-    # test-only fault injection (issue: faults across ranks); None in normal runs
-    fault: dict | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -49,3 +51,108 @@ class StepPlan:
     @property
     def is_decode(self) -> bool:
         return self.num_seqs > 0 and bool(np.all(self.query_lens == 1))
+
+
+class PlanBuilder:
+    """Rank 0: turns a ScheduleOutput into a StepPlan, sending each block table only as deltas.
+
+    It remembers how many blocks of each sequence the mirrors already hold; a sequence it holds
+    no record of (new, or readmitted after preemption) is sent with `reset_tables` and its whole
+    table.
+    """
+
+    def __init__(self) -> None:
+        self._sent: dict[int, int] = {}  # seq_id -> blocks the mirrors hold
+
+    @property
+    def num_tracked(self) -> int:
+        return len(self._sent)
+
+    def stop_plan(self, step: int) -> StepPlan:
+        """The plan that ends every rank's step loop; it drops every table still held (a mirror
+        that applies it is left empty for the next run)."""
+        dropped = np.fromiter(self._sent, dtype=np.int64, count=len(self._sent))
+        self._sent.clear()
+        return StepPlan(step=step, command=COMMAND_STOP, dropped_seq_ids=dropped)
+
+    def build(self, output: ScheduleOutput, step: int) -> StepPlan:
+        """Build the plan for every ScheduleOutput, even an empty one: it carries the drops."""
+        left = [s.seq_id for s in output.preempted] + list(output.finished_seq_ids)
+        dropped = [sid for sid in left if self._sent.pop(sid, None) is not None]
+
+        num = output.num_seqs
+        resets = np.zeros(num, dtype=np.bool_)
+        counts = np.zeros(num, dtype=np.int32)
+        new_ids: list[int] = []
+        inputs: list[int] = []
+        for b, (seq, start, n) in enumerate(
+            zip(output.seqs, output.num_computed_before, output.num_new_tokens)
+        ):
+            table = seq.block_table
+            sent = self._sent.get(seq.seq_id)
+            if sent is None:
+                resets[b], sent = True, 0
+            elif len(table) < sent:
+                raise RuntimeError(f"seq {seq.seq_id}: block table shrank from {sent} to {len(table)} without a drop")
+            if len(table) > sent:
+                new_ids.extend(table[sent:])
+                counts[b] = len(table) - sent
+            self._sent[seq.seq_id] = len(table)
+            inputs.extend(seq.token_ids[start : start + n])
+
+        return StepPlan(
+            step=step,
+            seq_ids=np.fromiter((s.seq_id for s in output.seqs), dtype=np.int64, count=num),
+            num_computed=np.asarray(output.num_computed_before, dtype=np.int32),
+            query_lens=np.asarray(output.num_new_tokens, dtype=np.int32),
+            input_ids=np.asarray(inputs, dtype=np.int32),
+            sample=np.asarray(output.sample, dtype=np.bool_),
+            reset_tables=resets,
+            new_block_counts=counts,
+            new_block_ids=np.asarray(new_ids, dtype=np.int32),
+            dropped_seq_ids=np.asarray(dropped, dtype=np.int64),
+        )
+
+
+class BlockTableMirror:
+    """Every rank: the block tables rebuilt from plan deltas, identical to rank 0's on every rank."""
+
+    def __init__(self, max_blocks: int) -> None:
+        if max_blocks < 1:
+            raise ValueError(f"max_blocks must be >= 1, got {max_blocks}")
+        self.max_blocks = max_blocks
+        self._rows: dict[int, np.ndarray] = {}  # seq_id -> [max_blocks] int32, zero padded
+        self._lens: dict[int, int] = {}
+
+    @property
+    def num_tables(self) -> int:
+        return len(self._rows)
+
+    def table(self, seq_id: int) -> list[int]:
+        return self._rows[seq_id][: self._lens[seq_id]].tolist()
+
+    def apply(self, plan: StepPlan) -> np.ndarray:
+        """Apply drops, resets and appends; return this step's tables [B, max_blocks] int32 (0-padded)."""
+        for sid in plan.dropped_seq_ids.tolist():
+            self._rows.pop(sid, None)
+            self._lens.pop(sid, None)
+        offset = 0
+        seq_ids = plan.seq_ids.tolist()
+        for sid, reset, count in zip(seq_ids, plan.reset_tables.tolist(), plan.new_block_counts.tolist()):
+            if reset:
+                self._rows[sid] = np.zeros(self.max_blocks, dtype=np.int32)
+                self._lens[sid] = 0
+            elif sid not in self._rows:
+                raise RuntimeError(f"step {plan.step}: seq {sid} has no block table and no reset")
+            if count:
+                start = self._lens[sid]
+                if start + count > self.max_blocks:
+                    raise RuntimeError(f"step {plan.step}: seq {sid} needs {start + count} blocks > {self.max_blocks}")
+                self._rows[sid][start : start + count] = plan.new_block_ids[offset : offset + count]
+                self._lens[sid] = start + count
+                offset += count
+        if offset != plan.new_block_ids.shape[0]:
+            raise RuntimeError(f"step {plan.step}: {plan.new_block_ids.shape[0]} new block ids, used {offset}")
+        if not seq_ids:
+            return np.zeros((0, self.max_blocks), dtype=np.int32)
+        return np.stack([self._rows[sid] for sid in seq_ids])

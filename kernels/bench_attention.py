@@ -1,0 +1,177 @@
+"""GPU benchmark of the paged attention kernels at Qwen3-0.6B attention shape (prints a table).
+
+Decode is bandwidth-bound (reported as achieved GB/s over the K/V bytes it must read); prefill is
+compute-bound (reported as TFLOP/s over the causal QK^T and PV products). Every row also shows the
+relative error against `kernels/reference.py`. Run: `PYTHONPATH=. python kernels/bench_attention.py`
+(`--sweep` additionally times a grid of tile configs to pick the defaults).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+from functools import lru_cache
+
+import torch
+import triton.testing
+
+from kernels.decode_attention import (
+    DecodeConfig,
+    decode_num_splits,
+    default_decode_config,
+    paged_decode_attention,
+)
+from kernels.kv_store import store_kv
+from kernels.prefill_attention import PrefillConfig, default_prefill_config, paged_prefill_attention
+from kernels.reference import paged_attention_reference
+
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, DTYPE = 16, 8, 128, torch.bfloat16  # Qwen3-0.6B
+
+
+@lru_cache(maxsize=4)
+def paged_inputs(query_len: int, seq_lens: tuple[int, ...], block_size: int, seed: int = 0):
+    """Random bf16 query and caches, each sequence's blocks scattered by a random permutation."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    blocks = [math.ceil(s / block_size) for s in seq_lens]
+    num_blocks = sum(blocks)
+    shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, device="cuda", dtype=DTYPE, generator=gen)
+    v_cache = torch.randn(shape, device="cuda", dtype=DTYPE, generator=gen)
+    order = torch.randperm(num_blocks, device="cuda", generator=gen).to(torch.int32)
+    tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32, device="cuda")
+    used = 0
+    for b, n in enumerate(blocks):
+        tables[b, :n] = order[used : used + n]
+        used += n
+    q_lens = [min(query_len, s) for s in seq_lens]
+    cu = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32, device="cuda")
+    query = torch.randn(int(cu[-1]), NUM_Q_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE, generator=gen)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    return query, k_cache, v_cache, cu, lens, tables
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def median_ms(fn, rep: int = 200) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
+
+
+def copy_bandwidth_gbs() -> float:
+    src = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src))
+    return 2 * src.numel() / ms / 1e6
+
+
+def bench_decode(batch: int, context: int, block_size: int, config: DecodeConfig | None = None):
+    q, kc, vc, cu, lens, tables = paged_inputs(1, (context,) * batch, block_size)
+    scale = HEAD_DIM**-0.5
+    out = torch.empty_like(q)
+    run = lambda: paged_decode_attention(q, kc, vc, lens, tables, scale, out=out, config=config)  # noqa: E731
+    run()
+    err = rel_error(out, paged_attention_reference(q, kc, vc, cu, lens, tables, scale)) if config is None else 0.0
+    ms = median_ms(run, rep=200 if config is None else 60)
+    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * kc.element_size()
+    io_bytes = 2 * q.numel() * q.element_size() + tables.numel() * 4
+    cfg = config or default_decode_config(HEAD_DIM, q.device)
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    splits = decode_num_splits(batch, NUM_KV_HEADS, tables.shape[1], block_size, cfg.programs_per_sm * sms)
+    return ms, (kv_bytes + io_bytes) / ms / 1e6, err, splits
+
+
+def bench_prefill(batch: int, length: int, block_size: int, config: PrefillConfig | None = None):
+    q, kc, vc, cu, lens, tables = paged_inputs(length, (length,) * batch, block_size)
+    scale = HEAD_DIM**-0.5
+    out = torch.empty_like(q)
+    run = lambda: paged_prefill_attention(q, kc, vc, cu, lens, tables, scale, length, out=out, config=config)  # noqa: E731
+    run()
+    err = rel_error(out, paged_attention_reference(q, kc, vc, cu, lens, tables, scale)) if config is None else 0.0
+    ms = median_ms(run, rep=200 if config is None else 60)
+    flops = 4 * batch * NUM_Q_HEADS * HEAD_DIM * length * (length + 1) / 2  # causal pairs
+    return ms, flops / ms / 1e9, err
+
+
+def bench_sdpa_prefill(batch: int, length: int) -> float:
+    """torch's fused causal SDPA on contiguous (unpaged) tensors, as a reference point."""
+    q = torch.randn(batch, NUM_Q_HEADS, length, HEAD_DIM, device="cuda", dtype=DTYPE)
+    k = torch.randn(batch, NUM_KV_HEADS, length, HEAD_DIM, device="cuda", dtype=DTYPE)
+    v = torch.randn_like(k)
+    fn = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # noqa: E731
+    ms = median_ms(fn)
+    return 4 * batch * NUM_Q_HEADS * HEAD_DIM * length * (length + 1) / 2 / ms / 1e9
+
+
+def bench_store(tokens: int, block_size: int):
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    key = torch.randn(tokens, NUM_KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE, generator=gen)
+    value = torch.randn_like(key)
+    num_blocks = math.ceil(tokens / block_size)
+    k_cache = torch.empty(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    v_cache = torch.empty_like(k_cache)
+    slots = torch.randperm(num_blocks * block_size, device="cuda", generator=gen)[:tokens]
+    ms = median_ms(lambda: store_kv(key, value, k_cache, v_cache, slots))
+    return ms, 4 * key.numel() * key.element_size() / ms / 1e6
+
+
+def sweep() -> None:
+    print("\n# decode config sweep (ms)")
+    configs = [
+        DecodeConfig(block_n=n, num_warps=w, num_stages=s, programs_per_sm=4)
+        for n, w, s in itertools.product((32, 64, 128), (4, 8), (1, 2, 3))
+    ] + [DecodeConfig(block_n=64, num_warps=4, num_stages=2, programs_per_sm=p) for p in (1, 2, 8, 16)]
+    shapes = [(256, 2048, 16), (64, 2048, 16), (1, 2048, 16)]
+    print("config".ljust(72) + "".join(f"B{b}xL{c}/bs{s}".rjust(16) for b, c, s in shapes))
+    for cfg in configs:
+        try:
+            row = [bench_decode(b, c, s, cfg)[0] for b, c, s in shapes]
+            print(str(cfg).ljust(72) + "".join(f"{ms:16.4f}" for ms in row), flush=True)
+        except Exception as exc:  # a config that does not compile (shared memory) is skipped
+            print(str(cfg).ljust(72) + f"  failed: {type(exc).__name__}")
+    print("\n# prefill config sweep (TFLOP/s, 16x1024, block_size 16)")
+    grid = list(itertools.product((64, 128), (32, 64), (4, 8), (2, 3))) + [(128, 128, 8, 2)]
+    for m, n, w, s in grid:
+        cfg = PrefillConfig(block_m=m, block_n=n, num_warps=w, num_stages=s)
+        try:
+            tflops = bench_prefill(16, 1024, 16, cfg)[1]
+            print(str(cfg).ljust(72) + f"{tflops:10.1f}", flush=True)
+        except Exception as exc:
+            print(str(cfg).ljust(72) + f"  failed: {type(exc).__name__}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sweep", action="store_true", help="also time a grid of tile configs")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_attention.py needs a CUDA GPU")
+    device = torch.device("cuda")
+    print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    print(f"# shape: Hq={NUM_Q_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM} {DTYPE}")
+    print(f"# decode config {default_decode_config(HEAD_DIM, device)}")
+    print(f"# prefill config {default_prefill_config(HEAD_DIM, device)}")
+    print(f"# device-to-device copy: {copy_bandwidth_gbs():.0f} GB/s (read + write)")
+    rows = []
+    for block_size in (16, 256):
+        for batch, context in itertools.product((1, 64, 256), (512, 2048)):
+            ms, gbs, err, splits = bench_decode(batch, context, block_size)
+            rows.append(
+                f"decode   B={batch:<4} ctx={context:<5} bs={block_size:<4} {ms * 1e3:10.1f} us "
+                f"{gbs:8.0f} GB/s   rel_err {err:.1e}  splits={splits}"
+            )
+        ms, tflops, err = bench_prefill(16, 1024, block_size)
+        rows.append(
+            f"prefill  16x1024         bs={block_size:<4} {ms * 1e3:10.1f} us {tflops:8.1f} TFLOP/s rel_err {err:.1e}"
+        )
+        ms, gbs = bench_store(16 * 1024, block_size)
+        rows.append(f"store_kv T=16384         bs={block_size:<4} {ms * 1e3:10.1f} us {gbs:8.0f} GB/s")
+    sdpa = bench_sdpa_prefill(16, 1024)
+    rows.append(f"torch SDPA causal 16x1024 (contiguous, unpaged; reference point): {sdpa:.1f} TFLOP/s")
+    print("\n" + "\n".join(rows), flush=True)
+    if args.sweep:
+        sweep()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""Triton write of this step's keys/values into the paged KV cache (one program per token).
+
+Equivalent to `reference.store_kv_reference`; padded tokens (slot -1) are skipped on the device,
+so the launch shape depends only on the token count (safe inside a captured CUDA graph).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_kv_kernel(
+    key,
+    value,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    stride_key_tok,
+    stride_key_head,
+    stride_value_tok,
+    stride_value_head,
+    stride_cache_block,
+    stride_cache_pos,
+    stride_cache_head,
+    block_size,
+    num_heads,
+    head_dim,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping + token).to(tl.int64)
+    if slot < 0:
+        return
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, BLOCK_D)[None, :]
+    mask = (heads < num_heads) & (dims < head_dim)
+    tok = token.to(tl.int64)
+    src_k = tl.load(key + tok * stride_key_tok + heads * stride_key_head + dims, mask=mask)
+    src_v = tl.load(value + tok * stride_value_tok + heads * stride_value_head + dims, mask=mask)
+    dst = (slot // block_size) * stride_cache_block + (slot % block_size) * stride_cache_pos
+    dst = dst + heads * stride_cache_head + dims
+    tl.store(k_cache + dst, src_k.to(k_cache.dtype.element_ty), mask=mask)
+    tl.store(v_cache + dst, src_v.to(v_cache.dtype.element_ty), mask=mask)
+
+
+def store_kv(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int32/int64; -1 = padding, skipped
+) -> None:
+    num_tokens, num_heads, head_dim = key.shape
+    if value.shape != key.shape:
+        raise ValueError(f"store_kv: value shape {tuple(value.shape)} != key shape {tuple(key.shape)}")
+    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
+        raise ValueError("store_kv: k_cache and v_cache must have the same shape and strides")
+    if tuple(k_cache.shape[2:]) != (num_heads, head_dim):
+        raise ValueError(
+            f"store_kv: cache heads/head_dim {tuple(k_cache.shape[2:])} != key {(num_heads, head_dim)}"
+        )
+    if slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"store_kv: slot_mapping must be [{num_tokens}], got {tuple(slot_mapping.shape)}")
+    if num_tokens == 0:
+        return
+    if key.stride(2) != 1:
+        key = key.contiguous()
+    if value.stride(2) != 1:
+        value = value.contiguous()
+    if k_cache.stride(3) != 1:
+        raise ValueError("store_kv: k_cache/v_cache head_dim must be contiguous")
+    block_d = triton.next_power_of_2(head_dim)
+    _store_kv_kernel[(num_tokens,)](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        k_cache.shape[1],
+        num_heads,
+        head_dim,
+        BLOCK_H=triton.next_power_of_2(num_heads),
+        BLOCK_D=block_d,
+        num_warps=4 if num_heads * block_d >= 1024 else 1,
+    )

@@ -1,0 +1,30 @@
+"""Address a tile of BLOCK_N consecutive KV positions of one sequence through its block table.
+
+Shared by the prefill and decode kernels. When a KV block holds at least a whole tile (tiles are
+BLOCK_N-aligned), one scalar block-id load serves the tile; smaller blocks gather an id per row.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def paged_tile_offsets(
+    block_table_row,  # pointer to this sequence's block-table row
+    tile_start,  # first KV position of the tile (a multiple of BLOCK_N)
+    positions,  # [BLOCK_N] KV positions tile_start + arange(BLOCK_N)
+    valid,  # [BLOCK_N] bool: position < sequence length (rows past it are never read)
+    stride_block,  # cache stride between blocks (elements)
+    stride_pos,  # cache stride between positions inside a block (elements)
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """[BLOCK_N] int64 element offsets of the tile's rows in a [N, BLOCK_SIZE, Hkv, D] cache."""
+    slots = (positions % BLOCK_SIZE).to(tl.int64) * stride_pos
+    if BLOCK_SIZE >= BLOCK_N:
+        block_id = tl.load(block_table_row + tile_start // BLOCK_SIZE).to(tl.int64)
+        return block_id * stride_block + slots
+    else:
+        block_ids = tl.load(block_table_row + positions // BLOCK_SIZE, mask=valid, other=0)
+        return block_ids.to(tl.int64) * stride_block + slots

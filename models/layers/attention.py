@@ -1,0 +1,80 @@
+"""Attention: store this step's K/V into the paged cache, then attend over each sequence's cache.
+
+The layer owns no weights; it is the one place that knows the attention backends. Heads here are
+this rank's heads. The engine binds `k_cache`/`v_cache` ([num_blocks, block_size, num_kv_heads,
+head_dim]) after allocating the KV pool; before that (memory-profiling warm-up) the layer attends
+over just the new tokens.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.reference import paged_attention_reference, store_kv_reference
+from models.attention_metadata import AttentionMetadata
+
+ATTENTION_BACKENDS = ("torch", "triton")
+
+
+class Attention(nn.Module):
+    """q [T, Hq*D], k/v [T, Hkv*D] -> [T, Hq*D] (causal, GQA, paged KV cache)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, backend: str) -> None:
+        super().__init__()
+        if backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {backend!r}")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.backend = backend
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
+        num_tokens = q.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.k_cache is None:
+            out = self._attend_new_tokens_only(q, k, v, attn)
+        elif self.backend == "torch":
+            out = self._torch_paged(q, k, v, attn)
+        else:
+            out = self._triton_paged(q, k, v, attn)
+        return out.reshape(num_tokens, self.num_heads * self.head_dim)
+
+    def _torch_paged(self, q, k, v, attn: AttentionMetadata) -> torch.Tensor:
+        store_kv_reference(k, v, self.k_cache, self.v_cache, attn.slot_mapping)
+        return paged_attention_reference(q, self.k_cache, self.v_cache, attn.cu_seqlens_q, attn.seq_lens,
+                                         attn.block_tables, self.scale)
+
+    def _triton_paged(self, q, k, v, attn: AttentionMetadata) -> torch.Tensor:
+        from kernels.kv_store import store_kv
+
+        store_kv(k, v, self.k_cache, self.v_cache, attn.slot_mapping)
+        if attn.is_decode:
+            from kernels.decode_attention import paged_decode_attention
+
+            return paged_decode_attention(q, self.k_cache, self.v_cache, attn.seq_lens, attn.block_tables,
+                                          self.scale)
+        from kernels.prefill_attention import paged_prefill_attention
+
+        return paged_prefill_attention(q, self.k_cache, self.v_cache, attn.cu_seqlens_q, attn.seq_lens,
+                                       attn.block_tables, self.scale, attn.max_query_len)
+
+    def _attend_new_tokens_only(self, q, k, v, attn: AttentionMetadata) -> torch.Tensor:
+        """Causal attention of each sequence over its own new tokens (no cache bound yet)."""
+        out = torch.empty_like(q)
+        group = self.num_heads // self.num_kv_heads
+        bounds = attn.cu_seqlens_q.tolist()
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            if end == start:
+                continue
+            qs = q[start:end].transpose(0, 1)  # [Hq, L, D]
+            ks = k[start:end].transpose(0, 1).repeat_interleave(group, dim=0)
+            vs = v[start:end].transpose(0, 1).repeat_interleave(group, dim=0)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale)
+            out[start:end] = o.transpose(0, 1)
+        return out

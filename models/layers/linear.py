@@ -1,0 +1,124 @@
+"""Tensor-parallel linear layers (Megatron style): column-parallel splits output features, so its
+output stays sharded for the next layer; row-parallel splits input features and all-reduces.
+
+Each parameter's `weight_loader` takes the FULL checkpoint tensor and keeps this rank's rows or
+columns, so checkpoints never need resharding. Packed layers (qkv, gate|up) take one checkpoint
+tensor per `shard_id`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.layers.weight_loading import copy_checked, new_parameter, replicated_loader
+from models.parallel import TensorParallel
+
+
+def divide(total: int, parts: int, what: str) -> int:
+    if total % parts:
+        raise ValueError(f"{what}={total} is not divisible by the tensor-parallel size {parts}")
+    return total // parts
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W's rows (output features) split evenly across ranks; no communication."""
+
+    def __init__(self, input_size: int, output_size: int, tp: TensorParallel, bias: bool = False) -> None:
+        super().__init__()
+        self.tp = tp
+        self.output_size_per_rank = divide(output_size, tp.world_size, "output features")
+        self.weight = new_parameter(self.output_size_per_rank, input_size, loader=self.load_rows)
+        self.bias = new_parameter(self.output_size_per_rank, loader=self.load_rows) if bias else None
+
+    def load_rows(self, param: nn.Parameter, full: torch.Tensor) -> None:
+        rows = param.shape[0]
+        copy_checked(param.data, full.narrow(0, self.tp.rank * rows, rows), "column-parallel weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input packed into one matmul (gate | up).
+
+    Each rank holds [its rows of projection 0 | its rows of projection 1 | ...]; checkpoint
+    tensor i is loaded with shard_id=i.
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], tp: TensorParallel, bias: bool = False) -> None:
+        super().__init__(input_size, sum(output_sizes), tp, bias)
+        self.sizes_per_rank = [divide(size, tp.world_size, "output features") for size in output_sizes]
+        for param in (self.weight, self.bias):
+            if param is not None:
+                param.weight_loader = self.load_packed
+
+    def load_packed(self, param: nn.Parameter, full: torch.Tensor, shard_id: int) -> None:
+        rows = self.sizes_per_rank[shard_id]
+        offset = sum(self.sizes_per_rank[:shard_id])
+        copy_checked(param.data.narrow(0, offset, rows), full.narrow(0, self.tp.rank * rows, rows),
+                     f"packed projection {shard_id}")
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections packed per rank as [q heads | k heads | v heads].
+
+    Query heads are split across ranks. KV heads are split too when there are at least as many as
+    ranks; otherwise (tp % num_kv_heads == 0) each KV head is replicated on tp / num_kv_heads
+    consecutive ranks, which then hold one KV head each.
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int,
+                 tp: TensorParallel, bias: bool = False) -> None:
+        num_heads = divide(total_num_heads, tp.world_size, "num_attention_heads")
+        if tp.world_size >= total_num_kv_heads:
+            num_kv_heads = 1
+            kv_replicas = divide(tp.world_size, total_num_kv_heads, "tensor-parallel size vs num_key_value_heads")
+        else:
+            num_kv_heads, kv_replicas = divide(total_num_kv_heads, tp.world_size, "num_key_value_heads"), 1
+        per_rank = (num_heads + 2 * num_kv_heads) * head_dim
+        super().__init__(hidden_size, per_rank * tp.world_size, tp, bias)
+        self.head_dim = head_dim
+        self.num_heads, self.num_kv_heads, self.kv_replicas = num_heads, num_kv_heads, kv_replicas
+        self.q_size = num_heads * head_dim
+        self.kv_size = num_kv_heads * head_dim
+        for param in (self.weight, self.bias):
+            if param is not None:
+                param.weight_loader = self.load_qkv
+
+    def load_qkv(self, param: nn.Parameter, full: torch.Tensor, shard_id: str) -> None:
+        if shard_id == "q":
+            offset, rows, start = 0, self.q_size, self.tp.rank * self.q_size
+        elif shard_id in ("k", "v"):
+            offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
+            rows = self.kv_size
+            start = (self.tp.rank // self.kv_replicas) * self.kv_size
+        else:
+            raise ValueError(f"qkv shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+        copy_checked(param.data.narrow(0, offset, rows), full.narrow(0, start, rows), f"{shard_id}_proj")
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_shard W_shard^T) + b with W's columns (input features) split across ranks.
+
+    The input is the rank's shard of the features (the output of a column-parallel layer). The
+    bias is replicated and added once, by rank 0, before the sum.
+    """
+
+    def __init__(self, input_size: int, output_size: int, tp: TensorParallel, bias: bool = False) -> None:
+        super().__init__()
+        self.tp = tp
+        self.input_size_per_rank = divide(input_size, tp.world_size, "input features")
+        self.weight = new_parameter(output_size, self.input_size_per_rank, loader=self.load_columns)
+        self.bias = new_parameter(output_size, loader=replicated_loader) if bias else None
+
+    def load_columns(self, param: nn.Parameter, full: torch.Tensor) -> None:
+        cols = param.shape[1]
+        copy_checked(param.data, full.narrow(1, self.tp.rank * cols, cols), "row-parallel weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias if self.tp.is_first else None)
+        return self.tp.all_reduce(y)

@@ -1,0 +1,150 @@
+"""Llama (Llama 3.x, SmolLM2, ...): pre-norm decoder layers of GQA attention with rotary
+positions and a SwiGLU MLP; optional attention/MLP biases as HF's LlamaConfig allows.
+
+Module names below `model.` and `lm_head` follow HF's, so checkpoint names map one to one except
+q/k/v (packed into qkv_proj) and gate/up (packed into gate_up_proj).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from models.attention_metadata import AttentionMetadata
+from models.causal_lm import CausalLM
+from models.layers.activation import SiluAndMul
+from models.layers.attention import Attention
+from models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from models.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from models.layers.norm import RMSNorm
+from models.layers.rotary import RotaryEmbedding, apply_rotary
+from models.model_config import ModelShape
+from models.parallel import TensorParallel
+
+CosSin = tuple[torch.Tensor, torch.Tensor]
+
+
+class LlamaMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), intermediate features split across ranks."""
+
+    def __init__(self, shape: ModelShape, tp: TensorParallel) -> None:
+        super().__init__()
+        hidden, inter = shape.hidden_size, shape.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], tp, bias=shape.mlp_bias)
+        self.act_fn = SiluAndMul()
+        self.down_proj = RowParallelLinear(inter, hidden, tp, bias=shape.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    """qkv projection -> (per-head q/k transform) -> rotary -> paged attention -> output projection."""
+
+    def __init__(self, shape: ModelShape, tp: TensorParallel, backend: str) -> None:
+        super().__init__()
+        d = shape.head_dim
+        self.head_dim = d
+        self.qkv_proj = QKVParallelLinear(shape.hidden_size, d, shape.num_heads, shape.num_kv_heads, tp,
+                                          bias=shape.attention_bias)
+        self.o_proj = RowParallelLinear(shape.num_heads * d, shape.hidden_size, tp, bias=shape.attention_bias)
+        self.attn = Attention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d, d**-0.5, backend)
+
+    def transform_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hook on q [T, Hq, D] and k [T, Hkv, D] before rotary; Llama has none."""
+        return q, k
+
+    def forward(self, hidden: torch.Tensor, cos_sin: CosSin, attn: AttentionMetadata) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        q = q.reshape(num_tokens, -1, self.head_dim)
+        k = k.reshape(num_tokens, -1, self.head_dim)
+        q, k = self.transform_qk(q, k)
+        q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
+        out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v, attn)
+        return self.o_proj(out)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """x + attn(norm(x)), then + mlp(norm(.)); the residual adds are fused into the next norm."""
+
+    def __init__(self, shape: ModelShape, tp: TensorParallel, backend: str, attention_cls: type[LlamaAttention]):
+        super().__init__()
+        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.self_attn = attention_cls(shape, tp, backend)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.mlp = LlamaMLP(shape, tp)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos_sin: CosSin,
+                attn: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, the residual stream before it); their sum is the output."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos_sin, attn)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    """Embedding, the decoder layers, the final norm (HF's `model.` prefix)."""
+
+    def __init__(self, shape: ModelShape, tp: TensorParallel, backend: str, attention_cls: type[LlamaAttention]):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(shape.vocab_size, shape.hidden_size, tp)
+        self.rotary_emb = RotaryEmbedding(shape.head_dim, shape.max_position_embeddings, shape.rope)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(shape, tp, backend, attention_cls) for _ in range(shape.num_layers)
+        )
+        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cos_sin = self.rotary_emb(positions)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, cos_sin, attn)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(CausalLM):
+    attention_cls: type[LlamaAttention] = LlamaAttention
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, shape: ModelShape, tp: TensorParallel, attention_backend: str = "torch") -> None:
+        super().__init__()
+        self.shape, self.tp = shape, tp
+        self.model = LlamaModel(shape, tp, attention_backend, self.attention_cls)
+        tied_to = self.model.embed_tokens if shape.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(shape.vocab_size, shape.hidden_size, tp, tied_to=tied_to)
+
+    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        s = self.shape
+        shapes = {"model.embed_tokens.weight": (s.vocab_size, s.hidden_size), "model.norm.weight": (s.hidden_size,)}
+        for i in range(s.num_layers):
+            shapes.update({f"model.layers.{i}.{name}": shape for name, shape in self.layer_checkpoint_shapes().items()})
+        if not s.tie_word_embeddings:
+            shapes["lm_head.weight"] = (s.vocab_size, s.hidden_size)
+        return shapes
+
+    def layer_checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """One decoder layer's checkpoint tensors, names relative to `model.layers.{i}.`."""
+        s = self.shape
+        h, q, kv, inter = s.hidden_size, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.intermediate_size
+        shapes = {
+            "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+            "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+            "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
+            "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h),
+            "mlp.down_proj.weight": (h, inter),
+        }
+        if s.attention_bias:
+            shapes.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+                           "self_attn.v_proj.bias": (kv,), "self_attn.o_proj.bias": (h,)})
+        if s.mlp_bias:
+            shapes.update({"mlp.gate_proj.bias": (inter,), "mlp.up_proj.bias": (inter,), "mlp.down_proj.bias": (h,)})
+        return shapes

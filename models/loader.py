@@ -1,0 +1,126 @@
+"""Weight loading: stream FULL checkpoint tensors (HF names) into a model's sharded parameters.
+
+Every source (safetensors files, seeded dummy weights, other formats converted to HF names) goes
+through `load_weights`, which maps names to parameters, lets each parameter's `weight_loader`
+keep this rank's shard, and checks that every expected tensor arrived exactly as shaped.
+"""
+from __future__ import annotations
+
+import json
+import zlib
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from models.causal_lm import CausalLM
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+# non-persistent buffers some exporters still save; recomputed here from the config
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def load_weights(
+    model: CausalLM, named_tensors: Iterable[tuple[str, torch.Tensor]], aliases: dict[str, str] | None = None
+) -> None:
+    """Load (HF name, full tensor) pairs; `aliases` loads a tensor under a second name as well.
+
+    Raises ValueError on an unexpected name, a wrong shape or a tensor missing at the end.
+    """
+    expected = model.checkpoint_shapes()
+    params = dict(model.named_parameters())
+    seen: set[str] = set()
+    for source_name, tensor in named_tensors:
+        for name in [source_name] + ([aliases[source_name]] if aliases and source_name in aliases else []):
+            if name.endswith(IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and model.shape.tie_word_embeddings:
+                continue  # tied: the head is the embedding
+            if name not in expected:
+                raise ValueError(f"checkpoint tensor {name!r} is not part of {model.shape.architecture}")
+            if tuple(tensor.shape) != expected[name]:
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {expected[name]}")
+            param_name, shard_id = model.checkpoint_to_parameter(name)
+            param = params[param_name]
+            if shard_id is None:
+                param.weight_loader(param, tensor)
+            else:
+                param.weight_loader(param, tensor, shard_id)
+            seen.add(name)
+    missing = sorted(set(expected) - seen)
+    if missing:
+        more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+        raise ValueError(f"checkpoint is missing {len(missing)} tensors of {model.shape.architecture}: "
+                         f"{', '.join(missing[:3])}{more}")
+
+
+def safetensors_files(checkpoint_dir: str | Path) -> list[Path]:
+    """The checkpoint's .safetensors files: the index's shards, the single file, or every one."""
+    root = Path(checkpoint_dir)
+    if (root / INDEX_FILE).is_file():
+        weight_map = json.loads((root / INDEX_FILE).read_text())["weight_map"]
+        return [root / name for name in sorted(set(weight_map.values()))]
+    if (root / SINGLE_FILE).is_file():
+        return [root / SINGLE_FILE]
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model.path {str(root)!r} holds no .safetensors files")
+    return files
+
+
+def _stream_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+
+
+def _tensor_names(files: list[Path]) -> set[str]:
+    names: set[str] = set()
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            names.update(handle.keys())
+    return names
+
+
+@torch.no_grad()
+def load_safetensors_weights(model: CausalLM, checkpoint_dir: str | Path) -> None:
+    """Load an HF safetensors checkpoint (single file or sharded), one tensor in memory at a time.
+
+    An untied model whose checkpoint has no `lm_head.weight` gets the embedding as its head.
+    """
+    files = safetensors_files(checkpoint_dir)
+    aliases = None
+    if not model.shape.tie_word_embeddings and "lm_head.weight" not in _tensor_names(files):
+        aliases = {"model.embed_tokens.weight": "lm_head.weight"}
+    load_weights(model, _stream_safetensors(files), aliases)
+
+
+def _dummy_tensors(
+    shapes: dict[str, tuple[int, ...]], seed: int, device: torch.device, dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for name in sorted(shapes):
+        generator = torch.Generator(device=device)
+        # 32 bits (the CPU generator keeps no more), stable across processes unlike hash()
+        generator.manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+        tensor = torch.randn(shapes[name], generator=generator, device=device, dtype=dtype).mul_(0.02)
+        if name.endswith("norm.weight"):
+            tensor.add_(1.0)
+        yield name, tensor
+
+
+@torch.no_grad()
+def load_dummy_weights(model: CausalLM, seed: int = 0) -> None:
+    """Random weights of the real shapes, identical for every tensor-parallel size.
+
+    Each FULL checkpoint-shaped tensor comes from its own generator (seeded by `seed` and the
+    tensor's name) on the parameters' device, then goes through the normal weight loaders: norms
+    ~1, everything else ~N(0, 0.02).
+    """
+    if seed < 0:
+        raise ValueError(f"seed must be >= 0, got {seed}")
+    first = next(model.parameters())
+    load_weights(model, _dummy_tensors(model.checkpoint_shapes(), seed, first.device, first.dtype))

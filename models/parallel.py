@@ -1,0 +1,54 @@
+"""TensorParallel: which shard this rank holds and the two collectives the layers need.
+
+Layers get one of these from whoever builds them (no global process-group state), so the same
+layer code runs unsharded (world size 1: no collectives at all) or sharded over a process group.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """Position of this process inside its tensor-parallel group (group=None: the default group)."""
+
+    rank: int
+    world_size: int
+    group: ProcessGroup | None = None
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"tensor-parallel rank must be in [0, {self.world_size}), got {self.rank}")
+
+    @classmethod
+    def single(cls) -> TensorParallel:
+        return cls(rank=0, world_size=1, group=None)
+
+    @classmethod
+    def from_default_group(cls) -> TensorParallel:
+        """Every rank of the initialised default process group in one tensor-parallel group."""
+        return cls(rank=dist.get_rank(), world_size=dist.get_world_size(), group=None)
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the group, in place; returns `x`."""
+        if self.world_size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def gather_to_first(self, x: torch.Tensor, dim: int) -> torch.Tensor | None:
+        """Concatenate every rank's `x` along `dim` on group rank 0; None on the other ranks."""
+        if self.world_size == 1:
+            return x
+        x = x.contiguous()
+        first = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+        parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.is_first else None
+        dist.gather(x, gather_list=parts, dst=first, group=self.group)
+        return torch.cat(parts, dim=dim) if parts is not None else None

@@ -1,0 +1,31 @@
+"""Qwen3 (dense): Llama's layout plus an RMSNorm over each q and k head before rotary.
+
+Everything else (GQA, SwiGLU MLP, tied or untied embeddings, rope handling) is shared with
+`models/llama.py`; only the attention's q/k transform and its two checkpoint tensors differ.
+"""
+from __future__ import annotations
+
+import torch
+
+from models.layers.norm import RMSNorm
+from models.llama import LlamaAttention, LlamaForCausalLM
+from models.model_config import ModelShape
+from models.parallel import TensorParallel
+
+
+class Qwen3Attention(LlamaAttention):
+    def __init__(self, shape: ModelShape, tp: TensorParallel, backend: str) -> None:
+        super().__init__(shape, tp, backend)
+        self.q_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps)
+        self.k_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps)
+
+    def transform_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.q_norm(q), self.k_norm(k)
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    attention_cls = Qwen3Attention
+
+    def layer_checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        d = self.shape.head_dim
+        return {**super().layer_checkpoint_shapes(), "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)}

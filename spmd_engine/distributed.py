@@ -1,0 +1,126 @@
+"""Rank discovery (torchrun, slurm, single process), the process group, and the plan channel.
+
+The process group is created once per process (Hydra multirun jobs reuse it) and torn down at
+exit; the step plan always travels over the CPU (gloo) side so that sending it never waits for
+queued GPU work.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    source: str  # torchrun | slurm | single
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+
+def expand_first_host(nodelist: str) -> str:
+    """First host of a slurm nodelist such as 'gpu[003-005,007],cpu01' -> 'gpu003'."""
+    first = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
+    if first is None:
+        raise ValueError(f"cannot parse slurm nodelist {nodelist!r}")
+    prefix, ranges = first.group(1), first.group(3)
+    if ranges is None:
+        return prefix
+    start = ranges.split(",")[0].split("-")[0]
+    return prefix + start
+
+
+def _slurm_master(nodelist: str) -> str:
+    if shutil.which("scontrol"):
+        try:
+            out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                                 text=True, timeout=10, check=True).stdout.split()
+            if out:
+                return out[0]
+        except (subprocess.SubprocessError, OSError):
+            pass
+    return expand_first_host(nodelist)
+
+
+def discover_ranks(env: dict[str, str] | None = None) -> RankInfo:
+    """torchrun variables win; then slurm's; otherwise one process."""
+    env = dict(os.environ if env is None else env)
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return RankInfo(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
+                        env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)), "torchrun")
+    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
+        addr = env.get("MASTER_ADDR") or _slurm_master(nodelist)
+        job = int(env.get("SLURM_JOB_ID", "0") or 0)
+        port = int(env.get("MASTER_PORT") or 20000 + job % 20000)
+        return RankInfo(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)),
+                        addr, port, "slurm")
+    return RankInfo(0, 1, 0, "127.0.0.1", 0, "single")
+
+
+def init_process_group(info: RankInfo, use_cuda: bool, timeout_s: float) -> None:
+    """Create the default group once per process; on CUDA it has an NCCL and a gloo side."""
+    if info.world_size == 1 or dist.is_initialized():
+        return
+    backend = "cuda:nccl,cpu:gloo" if use_cuda else "gloo"
+    kwargs = {}
+    if use_cuda:
+        torch.cuda.set_device(info.local_rank)
+        kwargs["device_id"] = torch.device("cuda", info.local_rank)
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{info.master_addr}:{info.master_port}",
+        rank=info.rank,
+        world_size=info.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        **kwargs,
+    )
+
+
+def destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_distributed() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def broadcast_object(obj: object, src: int = 0) -> object:
+    """Send one picklable object from `src` to every rank over the CPU side of the group."""
+    if not is_distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, device=torch.device("cpu"))
+    return box[0]
+
+
+def gather_errors(error: str | None) -> list[tuple[int, str]]:
+    """Every rank's error (or None), so all ranks can agree to stop before heavy work."""
+    if not is_distributed():
+        return [(0, error)] if error else []
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return [(rank, e) for rank, e in enumerate(errors) if e]
+
+
+def all_reduce_min(value: int) -> int:
+    """The minimum of an int over all ranks (e.g. KV blocks that fit on every GPU)."""
+    if not is_distributed():
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)  # default group on CPU tensors -> gloo side
+    return int(t.item())

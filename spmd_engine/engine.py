@@ -1,0 +1,279 @@
+"""LLM: the user-facing engine and the SPMD step loop.
+
+Every rank constructs an LLM and calls `generate` with the same arguments. Rank 0 schedules,
+broadcasts one StepPlan per step, samples and post-processes; the other ranks follow the plans
+until the stop plan. The data path of one step, in order:
+scheduler.schedule -> PlanBuilder.build -> broadcast -> ModelRunner.execute -> Sampler.sample
+-> Scheduler.postprocess.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from models.model_config import ModelShape
+from spmd_engine.config import ConfigError, EngineConfig
+from spmd_engine.distributed import RankInfo, broadcast_object, gather_errors
+from spmd_engine.faults import FaultInjector
+from spmd_engine.metrics import KVCapacity
+from spmd_engine.model_runner import ModelRunner, RunnerSettings
+from spmd_engine.model_source import ModelSource, resolve_model_source
+from spmd_engine.outputs import RequestOutput
+from spmd_engine.plan import COMMAND_STOP, PlanBuilder
+from spmd_engine.prompts import PromptRequest, validate_prompt
+from spmd_engine.sampler import Sampler, SamplingRow
+from spmd_engine.scheduler import Scheduler, SchedulerConfig
+from spmd_engine.sequence import SamplingParams, Sequence
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_MODEL_LEN_CAP = 4096
+
+
+def agreed(fn: Callable[[], Any]) -> Any:
+    """Run a start-up check on every rank; if any rank fails, every rank raises the same error."""
+    error, result = None, None
+    try:
+        result = fn()
+    except (ConfigError, FileNotFoundError, ValueError) as exc:
+        error = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    failures = gather_errors(error)
+    if failures:
+        rank, message = failures[0]
+        raise ConfigError(message if rank == 0 else f"[rank {rank}] {message}")
+    return result
+
+
+def resolve_device(name: str, local_rank: int) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device=cuda but CUDA is not available on this machine; use device=cpu or auto")
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank)
+
+
+def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str | None) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cpu":
+        return torch.float32
+    return torch.float16 if checkpoint_dtype == "float16" else torch.bfloat16
+
+
+def resolve_max_model_len(requested: int | None, shape: ModelShape) -> int:
+    limit = shape.max_position_embeddings
+    if requested is None:
+        return min(limit, DEFAULT_MAX_MODEL_LEN_CAP)
+    if requested > limit and not shape.rope_scaling:
+        raise ConfigError(f"max_model_len={requested} exceeds the model's max_position_embeddings={limit} "
+                          f"and the model has no rope_scaling to extend it")
+    return requested
+
+
+def resolve_backend(name: str, device: torch.device, block_size: int, head_dim: int) -> str:
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "flash_attn":
+        raise ConfigError("attention_backend=flash_attn is not available: flash_attn is not importable here "
+                          "(pip install spmd-engine[flash]); use auto, triton or torch")
+    if name == "triton":
+        if device.type != "cuda":
+            raise ConfigError("attention_backend=triton needs device=cuda; use torch on CPU")
+        from kernels.attention_support import supports_shape
+        if not supports_shape(block_size, head_dim):
+            log.warning("triton kernels do not support block_size=%d head_dim=%d; using torch attention",
+                        block_size, head_dim)
+            return "torch"
+    return name
+
+
+class LLM:
+    """One engine instance per rank; `generate` is collective (every rank calls it)."""
+
+    def __init__(self, cfg: EngineConfig, ranks: RankInfo) -> None:
+        from models.loader import load_dummy_weights, load_safetensors_weights
+        from models.parallel import TensorParallel
+        from models.registry import build_model
+
+        self.cfg, self.ranks = cfg, ranks
+        agreed(lambda: cfg.validate(ranks.world_size))
+        self.device = agreed(lambda: resolve_device(cfg.device, ranks.local_rank))
+        self.source: ModelSource = agreed(lambda: resolve_model_source(cfg.model))
+        self.shape: ModelShape = agreed(lambda: self._checked_shape())
+        self.max_model_len: int = agreed(lambda: resolve_max_model_len(cfg.max_model_len, self.shape))
+        self.dtype = resolve_dtype(cfg.dtype, self.device, self.shape.torch_dtype)
+        backend = agreed(lambda: resolve_backend(cfg.attention_backend, self.device, cfg.block_size,
+                                                 self.shape.head_dim))
+        tp = TensorParallel.from_default_group() if ranks.world_size > 1 else TensorParallel.single()
+
+        started = time.perf_counter()
+        previous_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                self.model = build_model(self.source.hf_config, tp, backend)
+        finally:
+            torch.set_default_dtype(previous_dtype)
+        if self.source.checkpoint_dir is None:
+            load_dummy_weights(self.model, cfg.seed)
+        else:
+            load_safetensors_weights(self.model, self.source.checkpoint_dir)
+        self.model.eval()
+        log.info("model %s loaded (%s, %s, attention=%s, tp=%d) in %.1f s", cfg.model.name,
+                 self.source.checkpoint_dir or "dummy weights", str(self.dtype).replace("torch.", ""),
+                 backend, ranks.world_size, time.perf_counter() - started)
+
+        settings = RunnerSettings(cfg.block_size, self.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                  cfg.enforce_eager, cfg.gpu_memory_utilization, cfg.cpu_kv_cache_gib,
+                                  cfg.num_kv_blocks)
+        self.runner = ModelRunner(self.model, self.shape, settings, self.device, self.dtype, ranks.world_size)
+        self.kv_capacity = KVCapacity(self.runner.num_blocks, cfg.block_size, self.runner.spec.bytes_per_block)
+        agreed(self._check_kv_capacity)
+        self.faults = FaultInjector.from_config(cfg.fault, ranks.rank)
+        log.info("engine: block_size=%d max_model_len=%d max_num_seqs=%d max_num_batched_tokens=%d "
+                 "prefix_caching=%s cuda_graphs=%s device=%s", cfg.block_size, self.max_model_len,
+                 cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.enable_prefix_caching,
+                 self.runner.graphs is not None, self.device)
+        cap = self.kv_capacity.as_dict()
+        log.info("KV cache: %d blocks, %d tokens, %.3f GiB per rank%s", cap["blocks"], cap["tokens"], cap["gib"],
+                 f" ({self.runner.memory_budget.describe()})" if self.runner.memory_budget else "")
+        self.step = 0
+        self.last_run: dict[str, int] = {}  # step counts of the last generate call (rank 0)
+
+    def _checked_shape(self) -> ModelShape:
+        shape = ModelShape.from_hf_config(self.source.hf_config)
+        shape.validate_tensor_parallel(self.ranks.world_size)
+        return shape
+
+    def _check_kv_capacity(self) -> None:
+        tokens = self.kv_capacity.num_blocks * self.cfg.block_size
+        if tokens < self.max_model_len:
+            raise ConfigError(
+                f"the KV pool holds {self.kv_capacity.num_blocks} blocks x block_size {self.cfg.block_size} = "
+                f"{tokens} tokens, less than one max_model_len={self.max_model_len} sequence; raise "
+                f"gpu_memory_utilization / cpu_kv_cache_gib / num_kv_blocks or lower max_model_len")
+
+    # --- generation -----------------------------------------------------------------------
+    def generate(self, requests: list[PromptRequest], on_finish: Callable[[RequestOutput], None] | None = None,
+                 decode: Callable[[list[int]], str] | None = None, progress: bool = False) -> list[RequestOutput]:
+        """Collective: rank 0 returns one RequestOutput per request (submission order); others []."""
+        if not self.ranks.is_first:
+            self._follow_plans()
+            return []
+        return _Generation(self, requests, on_finish, decode, progress).run()
+
+    def _follow_plans(self) -> None:
+        while True:
+            plan = broadcast_object(None)
+            if plan.command == COMMAND_STOP:
+                self.runner.mirror.apply(plan)  # forget the last tables
+                return
+            self.faults.before_step(plan.step)
+            self.runner.execute(plan)
+
+    def close(self) -> None:
+        self.runner.close()
+        del self.model
+
+
+class _Generation:
+    """Rank 0's state for one generate call: scheduler, plans, sampler and the outputs."""
+
+    def __init__(self, llm: LLM, requests: list[PromptRequest], on_finish, decode, progress: bool) -> None:
+        cfg = llm.cfg
+        self.llm = llm
+        self.on_finish = on_finish or (lambda out: None)
+        self.decode = decode
+        self.progress = progress
+        self.scheduler = Scheduler(
+            SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, llm.max_model_len, cfg.block_size,
+                            llm.runner.num_blocks, cfg.enable_prefix_caching),
+            set(llm.shape.eos_token_ids))
+        self.builder = PlanBuilder()
+        self.sampler = Sampler(llm.device, cfg.seed + llm.step)
+        self.defaults = SamplingParams(**vars(cfg.sampling))
+        self.outputs: list[RequestOutput] = []
+        self.live: dict[int, tuple[Sequence, RequestOutput]] = {}
+        self.requests = requests
+
+    def _admit(self, seq_id: int, req: PromptRequest) -> None:
+        out = RequestOutput(req.index, req.prompt, req.prompt_token_ids, None, [], "error", req.error)
+        self.outputs.append(out)
+        if out.error is None:
+            try:
+                params = SamplingParams.from_dict(req.overrides, self.defaults)
+                out.error = validate_prompt(req.prompt_token_ids, self.llm.shape.vocab_size, self.llm.max_model_len)
+            except ValueError as exc:
+                out.error = str(exc)
+        if out.error is not None:
+            out.text = None
+            self.on_finish(out)
+            return
+        seq = Sequence(seq_id, req.prompt_token_ids, params)
+        self.scheduler.add(seq)
+        self.live[seq_id] = (seq, out)
+
+    def run(self) -> list[RequestOutput]:
+        llm = self.llm
+        self.start = time.perf_counter()
+        for seq_id, req in enumerate(self.requests):
+            self._admit(seq_id, req)
+        bar = _progress_bar(len(self.live), self.progress)
+        steps = decode_steps = 0
+        while self.scheduler.has_unfinished():
+            schedule = self.scheduler.schedule()
+            if schedule.is_empty:
+                raise RuntimeError("scheduler made no progress (no sequence fits the KV pool)")
+            plan = self.builder.build(schedule, llm.step)
+            broadcast_object(plan)
+            steps += 1
+            decode_steps += int(plan.is_decode)
+            llm.faults.before_step(plan.step)
+            logits = llm.runner.execute(plan)
+            sampled = self._sample(schedule, logits)
+            for seq in self.scheduler.postprocess(schedule, sampled):
+                self._finish(seq)
+                bar.update(1)
+            llm.step += 1
+        stop = self.builder.stop_plan(llm.step)
+        broadcast_object(stop)
+        llm.runner.mirror.apply(stop)
+        bar.close()
+        llm.last_run = {"steps": steps, "decode_steps": decode_steps,
+                        "preemptions": self.scheduler.num_preemptions}
+        self.outputs.sort(key=lambda o: o.index)
+        return self.outputs
+
+    def _sample(self, schedule, logits: torch.Tensor | None) -> dict[int, int]:
+        seqs = [s for s, flag in zip(schedule.seqs, schedule.sample) if flag]
+        if not seqs:
+            return {}
+        rows = [SamplingRow(s.seq_id, s.params.temperature, s.params.top_p, s.params.top_k, s.params.seed)
+                for s in seqs]
+        tokens = self.sampler.sample(logits, rows)
+        now = time.perf_counter() - self.start
+        for seq in seqs:
+            out = self.live[seq.seq_id][1]
+            if out.first_token_time is None:
+                out.first_token_time = now
+            out.token_times.append(now)
+        return {s.seq_id: int(t) for s, t in zip(seqs, tokens)}
+
+    def _finish(self, seq: Sequence) -> None:
+        _, out = self.live.pop(seq.seq_id)
+        self.sampler.forget(seq.seq_id)
+        out.token_ids = list(seq.output_token_ids)
+        out.finish_reason = seq.finish_reason
+        out.finish_time = time.perf_counter() - self.start
+        out.num_cached_tokens = seq.num_cached_tokens
+        out.text = self.decode(out.token_ids) if self.decode else None
+        self.on_finish(out)
+
+
+def _progress_bar(total: int, enabled: bool):
+    from tqdm import tqdm
+    return tqdm(total=total, desc="requests", unit="req", disable=not enabled or total < 2, dynamic_ncols=True)

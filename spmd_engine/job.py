@@ -1,0 +1,127 @@
+"""One Hydra job on one rank: config -> engine -> requests -> generate -> outputs and metrics.
+
+Rank 0 alone reads prompts, tokenizes and writes files; user errors end every rank with one
+line on rank 0 (exit code 2), and inside a multirun they mark the job failed and the sweep goes on.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from spmd_engine.config import ConfigError, EngineConfig, engine_config_from_dict
+from spmd_engine.distributed import RankInfo, init_process_group
+from spmd_engine.engine import LLM
+from spmd_engine.metrics import summarize, write_metrics
+from spmd_engine.outputs import OutputsWriter, RequestOutput, read_outputs
+from spmd_engine.workloads import build_requests, run_bench_warmup
+
+log = logging.getLogger("spmd_engine")
+EXIT_USER_ERROR = 2
+
+
+def setup_logging(ranks: RankInfo, level: str) -> None:
+    """Rank 0 logs at `level`; other ranks only WARNING and above, prefixed with their rank."""
+    root = logging.getLogger()
+    prefix = "" if ranks.is_first else f"[rank{ranks.rank}] "
+    for handler in root.handlers:
+        handler.setFormatter(logging.Formatter(f"{prefix}[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+    root.setLevel(getattr(logging, str(level).upper(), logging.INFO) if ranks.is_first else logging.WARNING)
+
+
+def run_job(raw_cfg: dict[str, Any], overrides: list[str], ranks: RankInfo, output_dir: Path | None,
+            multirun: bool) -> dict | None:
+    """Returns the metrics dict on rank 0 (None elsewhere); raises SystemExit on user errors."""
+    setup_logging(ranks, raw_cfg.get("log_level", "INFO"))
+    started = time.time()
+    metrics: dict[str, Any] = {"overrides": overrides, "status": "failed", "world_size": ranks.world_size}
+    llm: LLM | None = None
+    try:
+        cfg = engine_config_from_dict(raw_cfg)
+        use_cuda = cfg.device != "cpu" and torch.cuda.is_available()
+        init_process_group(ranks, use_cuda, cfg.dist_timeout_s)
+        llm = LLM(cfg, ranks)
+        metrics.update(_generate(llm, cfg, ranks, output_dir))
+        metrics["status"] = "ok"
+    except ConfigError as exc:
+        metrics["error"] = str(exc)
+        if ranks.is_first:
+            log.error("error: %s", exc)
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        if not multirun:
+            _write(metrics, raw_cfg, ranks, output_dir, started)
+            raise SystemExit(EXIT_USER_ERROR)
+    finally:
+        if llm is not None:
+            llm.close()
+    _write(metrics, raw_cfg, ranks, output_dir, started)
+    return metrics if ranks.is_first else None
+
+
+def _write(metrics: dict, raw_cfg: dict, ranks: RankInfo, output_dir: Path | None, started: float) -> None:
+    if ranks.is_first and output_dir is not None:
+        metrics.setdefault("config", {k: v for k, v in raw_cfg.items() if k != "hydra"})
+        metrics["job_time_s"] = time.time() - started
+        if torch.cuda.is_available():
+            metrics["peak_gpu_memory_gib"] = torch.cuda.max_memory_reserved() / (1 << 30)
+        write_metrics(output_dir / "metrics.json", metrics)
+
+
+def _generate(llm: LLM, cfg: EngineConfig, ranks: RankInfo, output_dir: Path | None) -> dict:
+    if not ranks.is_first:
+        if cfg.workload.name == "bench" and cfg.workload.params.get("warmup", True):
+            llm.generate([])
+        llm.generate([])
+        return {}
+    from spmd_engine.prompts import load_tokenizer
+    tokenizer = load_tokenizer(llm.source.tokenizer_dir) if llm.source.tokenizer_dir else None
+    requests = build_requests(cfg, tokenizer, llm.shape.vocab_size)
+    done: list[dict] = []
+    outputs_path = output_dir / "outputs.jsonl" if output_dir else None
+    if cfg.resume and outputs_path is not None:
+        done = read_outputs(outputs_path)
+        finished = {row["index"] for row in done}
+        requests = [r for r in requests if r.index not in finished]
+        log.info("resume: %d requests already in %s, %d to run", len(finished), outputs_path, len(requests))
+    if cfg.workload.name == "bench" and cfg.workload.params.get("warmup", True):
+        run_bench_warmup(llm)
+    writer = OutputsWriter(outputs_path, keep=done) if outputs_path else None
+    decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer else None
+    t0 = time.perf_counter()
+    try:
+        outputs = llm.generate(requests, on_finish=writer.write if writer else None, decode=decode,
+                               progress=len(requests) > 1)
+    finally:
+        if writer is not None:
+            writer.close()
+    wall = time.perf_counter() - t0
+    if writer is not None:
+        writer.finalize()
+    if cfg.workload.name == "chat":
+        _print_completions(outputs)
+    stats = summarize(outputs, wall)
+    log.info("%d requests, %d prompt + %d output tokens in %.2f s: %.1f output tok/s, TTFT p50 %.1f ms, "
+             "ITL p50 %.2f ms", stats["num_requests"], stats["prompt_tokens"], stats["output_tokens"], wall,
+             stats["output_tokens_per_s"], stats["ttft"].get("p50_ms", 0.0), stats["itl"].get("p50_ms", 0.0))
+    stats["kv_capacity"] = llm.kv_capacity.as_dict()
+    stats["max_model_len"] = llm.max_model_len
+    if cfg.workload.name == "bench":
+        from spmd_engine.bench_report import bench_report
+        stats["bench"] = bench_report(llm, outputs, wall)
+    return stats
+
+
+def _print_completions(outputs: list[RequestOutput]) -> None:
+    for out in outputs:
+        shown = out.prompt if out.prompt is not None else f"<{len(out.prompt_token_ids or [])} prompt tokens>"
+        print(f"\n### prompt {out.index}: {shown}")
+        if out.error:
+            print(f"!!! error: {out.error}")
+        else:
+            body = out.text if out.text is not None else str(out.token_ids)
+            print(f">>> {body}  [{out.finish_reason}, {len(out.token_ids)} tokens]")
+    sys.stdout.flush()

@@ -1,0 +1,55 @@
+"""KV cache sizing and allocation: one tensor for all layers, viewed per layer as (K, V).
+
+Sizing is the only place that depends on the device: a fixed `num_kv_blocks`, a GiB budget on
+CPU, or what is left of `gpu_memory_utilization` after weights and the measured activation peak.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int  # per rank
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+
+@dataclass(frozen=True)
+class CudaMemoryBudget:
+    """The numbers behind a CUDA KV sizing decision (logged, and quoted in errors)."""
+
+    total: int
+    utilization: float
+    in_use: int  # weights, context, other processes: total - free after the warm-up
+    activation_peak: int  # extra bytes the warm-up forward needed beyond what stays allocated
+    reserve: int  # CUDA graphs and sampler head-room
+
+    @property
+    def kv_bytes(self) -> int:
+        return int(self.total * self.utilization) - self.in_use - self.activation_peak - self.reserve
+
+    def describe(self) -> str:
+        gib = 1 << 30
+        return (f"total {self.total / gib:.2f} GiB x gpu_memory_utilization {self.utilization} - in use "
+                f"{self.in_use / gib:.2f} GiB - activation peak {self.activation_peak / gib:.2f} GiB - "
+                f"reserve {self.reserve / gib:.2f} GiB = {self.kv_bytes / gib:.2f} GiB for KV")
+
+
+def blocks_for_bytes(spec: KVCacheSpec, num_bytes: float) -> int:
+    return max(0, int(num_bytes // spec.bytes_per_block))
+
+
+def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    cache = torch.empty(spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim,
+                        dtype=spec.dtype, device=device)
+    return [(cache[i, 0], cache[i, 1]) for i in range(spec.num_layers)]

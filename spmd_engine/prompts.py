@@ -1,0 +1,179 @@
+"""The engine's input side (rank 0): prompts from the CLI or a JSONL file, tokenized and checked.
+
+Why: one bad request must never sink a batch job, so every per-request problem becomes a
+`PromptRequest.error` line (reported in the outputs) while the good requests still run.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_PROMPTS: list[str] = [
+    "What is the capital of France? Answer in one sentence.",
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue.",
+    "List three prime numbers and say what makes them prime.",
+]
+
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
+# per-request override -> (accepted python types, the type's name in errors); bool is never a number
+OVERRIDE_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "temperature": ((int, float), "a number"),
+    "top_p": ((int, float), "a number"),
+    "top_k": ((int,), "an integer"),
+    "max_tokens": ((int,), "an integer"),
+    "ignore_eos": ((bool,), "true or false"),
+    "seed": ((int, type(None)), "an integer or null"),
+}
+NO_TOKENIZER_ERROR = "prompt text given but the checkpoint has no tokenizer; pass prompt_token_ids"
+
+
+@dataclass
+class PromptRequest:
+    """One request as read: text or token ids, sampling overrides, or the one-line reason it can't run."""
+
+    index: int  # position in the job's request list (outputs are reported in this order)
+    prompt: str | None
+    prompt_token_ids: list[int] | None
+    overrides: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _check_override(key: str, value: Any) -> str | None:
+    types, name = OVERRIDE_TYPES[key]
+    is_bool_for_number = isinstance(value, bool) and bool not in types
+    if is_bool_for_number or not isinstance(value, types):
+        return f"{key!r} must be {name}, got {_type_name(value)}"
+    return None
+
+
+def _problem(obj: Any) -> str | None:
+    """Why a parsed request object can't run (one line), or None when it is well formed."""
+    if not isinstance(obj, dict):
+        return f"expected a JSON object, got {_type_name(obj)}"
+    unknown = [k for k in obj if k not in PROMPT_KEYS and k not in OVERRIDE_TYPES]
+    if unknown:
+        return f"unknown key {unknown[0]!r} (allowed: {', '.join((*PROMPT_KEYS, *OVERRIDE_TYPES))})"
+    if ("prompt" in obj) == ("prompt_token_ids" in obj):
+        return "give exactly one of 'prompt' or 'prompt_token_ids'"
+    if "prompt" in obj and not isinstance(obj["prompt"], str):
+        return f"'prompt' must be a string, got {_type_name(obj['prompt'])}"
+    if "prompt_token_ids" in obj and not _is_token_ids(obj["prompt_token_ids"]):
+        return "'prompt_token_ids' must be a list of integers"
+    if obj.get("prompt") == "" or obj.get("prompt_token_ids") == []:
+        return "prompt is empty"
+    for key in OVERRIDE_TYPES:
+        error = _check_override(key, obj[key]) if key in obj else None
+        if error:
+            return error
+    return None
+
+
+def _request_from_object(obj: Any, index: int, where: str) -> PromptRequest:
+    """A request from one parsed object; a problem becomes `error` prefixed with `where`, never an exception."""
+    problem = _problem(obj)
+    if problem:
+        return PromptRequest(index, None, None, {}, f"{where}: {problem}")
+    overrides = {k: v for k, v in obj.items() if k in OVERRIDE_TYPES}
+    return PromptRequest(index, obj.get("prompt"), obj.get("prompt_token_ids"), overrides)
+
+
+def _read_jsonl(path: Path) -> list[PromptRequest]:
+    requests: list[PromptRequest] = []
+    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        index = len(requests)
+        where = f"prompts_file line {line_no}"
+        try:
+            request = _request_from_object(json.loads(line), index, where)
+        except json.JSONDecodeError as e:
+            request = PromptRequest(index, None, None, {}, f"{where}: invalid JSON ({e.msg} at column {e.colno})")
+        requests.append(request)
+    return requests
+
+
+def read_prompts(prompts: Sequence[Any] | str | None, prompts_file: str | None) -> list[PromptRequest]:
+    """Requests from `prompts` (CLI strings, or token-id lists) or `prompts_file` (JSONL); neither: DEFAULT_PROMPTS.
+
+    Raises ValueError only for job-level mistakes (both given, empty list, missing file).
+    """
+    if prompts is not None and prompts_file is not None:
+        raise ValueError("prompts and prompts_file are both set; give only one")
+    if prompts_file is not None:
+        path = Path(prompts_file).expanduser()
+        if not path.is_file():
+            raise ValueError(f"prompts_file={prompts_file!r}: no such file")
+        return _read_jsonl(path)
+    if prompts is None:
+        prompts = DEFAULT_PROMPTS
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if len(prompts) == 0:
+        raise ValueError("prompts is an empty list; give at least one prompt (or unset it for the built-in ones)")
+    requests = []
+    for index, item in enumerate(prompts):
+        is_ids = isinstance(item, Sequence) and not isinstance(item, str)
+        obj = {"prompt_token_ids": list(item)} if is_ids else {"prompt": item}
+        requests.append(_request_from_object(obj, index, f"prompts[{index}]"))
+    return requests
+
+
+def load_tokenizer(model_dir: str | os.PathLike | None):
+    """The checkpoint's HF tokenizer, or None when it ships no tokenizer files."""
+    from models.checkpoint import has_tokenizer
+
+    if model_dir is None or not has_tokenizer(model_dir):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def _encode(prompt: str, tokenizer, chat_template: bool) -> list[int]:
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+        return list(tokenizer.encode(text, add_special_tokens=False))  # the template holds the specials
+    return list(tokenizer.encode(prompt))
+
+
+def tokenize(requests: list[PromptRequest], tokenizer, chat_template: bool) -> list[PromptRequest]:
+    """Fill `prompt_token_ids` of text requests in place (chat template: one user turn + generation prompt).
+
+    Requests that already have ids or an error are left alone; returns `requests` for chaining.
+    """
+    for request in requests:
+        if request.error is not None or request.prompt_token_ids is not None:
+            continue
+        if tokenizer is None:
+            request.error = NO_TOKENIZER_ERROR
+        else:
+            request.prompt_token_ids = _encode(request.prompt, tokenizer, chat_template)
+    return requests
+
+
+def validate_prompt(token_ids: list[int], vocab_size: int, max_model_len: int) -> str | None:
+    """One error line, or None if the prompt fits: non-empty, ids in the vocabulary, room to generate one token."""
+    if len(token_ids) == 0:
+        return "prompt is empty"
+    for position, token in enumerate(token_ids):
+        if not 0 <= token < vocab_size:
+            return f"prompt_token_ids[{position}]={token} is outside the vocabulary [0, {vocab_size})"
+    if len(token_ids) >= max_model_len:
+        return f"prompt has {len(token_ids)} tokens; max_model_len={max_model_len} allows at most {max_model_len - 1}"
+    return None
+

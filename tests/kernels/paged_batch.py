@@ -1,0 +1,73 @@
+"""Random paged-KV batches shared by the kernel tests (shuffled block tables, non-zero caches)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+ON_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def gpu_case(*values) -> object:
+    """A parametrize entry that only runs on CUDA (real shapes, bf16)."""
+    return pytest.param(*values, marks=[pytest.mark.gpu, ON_GPU])
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    assert torch.isfinite(out).all(), "output has NaN/inf (unwritten or bad softmax)"
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+@dataclass
+class PagedBatch:
+    """Inputs of one paged-attention call; every sequence's blocks are scattered in the cache."""
+
+    query: torch.Tensor  # [T, Hq, D]
+    k_cache: torch.Tensor  # [N, bs, Hkv, D]
+    v_cache: torch.Tensor
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [B, M] int32, tail filled with other valid block ids
+    max_query_len: int
+    scale: float
+
+
+def make_paged_batch(
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_size: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+) -> PagedBatch:
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [(s + block_size - 1) // block_size for s in seq_lens]
+    max_blocks = max(blocks_per_seq) + 1  # an unused tail column, like the engine's padded tables
+    num_blocks = sum(blocks_per_seq) + 2
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    order = torch.randperm(num_blocks, generator=gen)
+    tables = torch.randint(0, num_blocks, (len(seq_lens), max_blocks), generator=gen)
+    used = 0
+    for b, n in enumerate(blocks_per_seq):
+        tables[b, :n] = order[used : used + n]
+        used += n
+    cu = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(query_lens).cumsum(0)
+    query = torch.randn((int(cu[-1]), num_q_heads, head_dim), generator=gen).to(dtype)
+    return PagedBatch(
+        query=query.to(DEVICE),
+        k_cache=k_cache.to(DEVICE),
+        v_cache=v_cache.to(DEVICE),
+        cu_seqlens_q=cu.to(DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        block_tables=tables.to(torch.int32).to(DEVICE),
+        max_query_len=max(query_lens),
+        scale=head_dim**-0.5,
+    )

@@ -1,0 +1,110 @@
+import pytest
+import torch
+
+from kernels.decode_attention import (
+    MAX_SPLITS,
+    decode_num_splits,
+    default_decode_config,
+    paged_decode_attention,
+    supports,
+)
+from kernels.reference import paged_attention_reference
+from paged_batch import DEVICE, ON_GPU, gpu_case, make_paged_batch, rel_error
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # triton interpreter noise
+
+# (seq_lens, block_size, Hq, Hkv, head_dim, dtype, num_splits (None = by shape), max rel error)
+CASES = [
+    pytest.param([1, 16, 17, 40], 16, 4, 4, 32, torch.float32, None, 1e-5, id="bs16-gqa1-fp32-single"),
+    # seq 3 leaves most of its 4 splits empty: neutral partials must not disturb the merge
+    pytest.param([70, 3, 129], 64, 4, 2, 16, torch.float16, 4, 2e-3, id="bs64-gqa2-fp16-split4"),
+    # an empty (padded) sequence gets zeros, like the reference
+    pytest.param([300, 0, 5], 256, 8, 1, 16, torch.float32, 3, 1e-5, id="bs256-gqa8-fp32-split3"),
+    # block smaller than the key tile: per-row block-id gather
+    pytest.param([9, 33], 8, 8, 2, 16, torch.float16, 2, 2e-3, id="bs8-gqa4-fp16-split2"),
+    gpu_case([512 + 97 * i for i in range(64)], 16, 16, 8, 128, torch.bfloat16, None, 1e-2),
+    gpu_case([4096 - 31 * i for i in range(96)], 256, 16, 8, 128, torch.bfloat16, None, 1e-2),
+    gpu_case([1, 4096, 17, 2048], 16, 32, 4, 128, torch.bfloat16, None, 1e-2),
+    gpu_case([1, 4096, 17, 2048], 32, 64, 8, 64, torch.float16, 7, 2e-3),
+    gpu_case([3000, 100], 16, 8, 8, 256, torch.bfloat16, None, 1e-2),
+]
+
+
+def _reference(batch):
+    return paged_attention_reference(
+        batch.query, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens,
+        batch.block_tables, batch.scale,
+    )
+
+
+@pytest.mark.parametrize("seq_lens,block_size,hq,hkv,head_dim,dtype,num_splits,tol", CASES)
+def test_matches_reference(seq_lens, block_size, hq, hkv, head_dim, dtype, num_splits, tol):
+    batch = make_paged_batch([1] * len(seq_lens), seq_lens, block_size, hq, hkv, head_dim, dtype)
+    out = torch.full_like(batch.query, float("nan"))
+    result = paged_decode_attention(
+        batch.query, batch.k_cache, batch.v_cache, batch.seq_lens, batch.block_tables,
+        batch.scale, out=out, num_splits=num_splits,
+    )
+    assert result is out
+    assert rel_error(out, _reference(batch)) < tol
+
+
+def test_cuda_tile_config_on_small_batch():
+    """The H200 key tile (several 16-position blocks per tile) with and without splits."""
+    batch = make_paged_batch([1, 1, 1], [300, 1, 90], 16, 4, 2, 16, torch.float32, seed=3)
+    config = default_decode_config(128, torch.device("cuda"))
+    for num_splits in (1, 3):
+        out = paged_decode_attention(
+            batch.query, batch.k_cache, batch.v_cache, batch.seq_lens, batch.block_tables,
+            batch.scale, num_splits=num_splits, config=config,
+        )
+        assert rel_error(out, _reference(batch)) < 1e-5
+
+
+def test_num_splits_depends_only_on_shapes():
+    # a full GPU of (sequence, KV head) programs needs no split
+    assert decode_num_splits(256, 8, 128, 16, target_programs=528) == 1
+    # batch 1 at 2k context: split up to the length limit, within bounds
+    assert decode_num_splits(1, 8, 128, 16, target_programs=528) == 16
+    assert decode_num_splits(1, 1, 10_000, 256, target_programs=10_000) == MAX_SPLITS
+    assert decode_num_splits(4, 2, 1, 16, target_programs=528) == 1
+
+
+def test_supports_and_clear_errors():
+    assert supports(16, 128) and supports(128, 64) and supports(8, 32)
+    assert not supports(48, 128) and not supports(16, 96)
+    batch = make_paged_batch([1], [5], 16, 2, 2, 16, torch.float32)
+    with pytest.raises(ValueError, match="num_splits"):
+        paged_decode_attention(
+            batch.query, batch.k_cache, batch.v_cache, batch.seq_lens, batch.block_tables,
+            batch.scale, num_splits=MAX_SPLITS + 1,
+        )
+    with pytest.raises(ValueError, match="block_size"):
+        cache = torch.zeros(2, 12, 2, 16, device=DEVICE)
+        paged_decode_attention(batch.query, cache, cache, batch.seq_lens, batch.block_tables, 1.0)
+
+
+@pytest.mark.gpu
+@ON_GPU
+def test_cuda_graph_replay_follows_new_seq_lens():
+    """Captured once, replayed with other lengths: no host sync, no length baked into the graph."""
+    batch = make_paged_batch([1] * 64, [2048] * 64, 16, 16, 8, 128, torch.bfloat16, seed=4)
+    seq_lens = batch.seq_lens.clone()
+    out = torch.empty_like(batch.query)
+
+    def step():
+        paged_decode_attention(
+            batch.query, batch.k_cache, batch.v_cache, seq_lens, batch.block_tables, batch.scale, out=out
+        )
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for lengths in ([2048] * 64, [1 + 31 * i for i in range(64)], [0] * 32 + [700] * 32):
+        seq_lens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        batch.seq_lens = seq_lens
+        assert rel_error(out, _reference(batch)) < 1e-2

@@ -1,0 +1,73 @@
+import pytest
+import torch
+
+from models.attention_metadata import AttentionMetadata
+from models.layers.attention import Attention
+
+HQ, HKV, D, BLOCK = 4, 2, 16, 4
+LENS = [5, 9]  # two sequences; 9 crosses two block boundaries
+
+
+def metadata(chunks: list[tuple[int, int]], tables: torch.Tensor) -> AttentionMetadata:
+    """chunks[b] = (first position, number of new tokens) of sequence b."""
+    slots = [int(tables[b, p // BLOCK]) * BLOCK + p % BLOCK for b, (s, n) in enumerate(chunks) for p in range(s, s + n)]
+    q_lens = torch.tensor([n for _, n in chunks], dtype=torch.int32)
+    seq_lens = torch.tensor([s + n for s, n in chunks], dtype=torch.int32)
+    cu = torch.cat([torch.zeros(1, dtype=torch.int32), q_lens.cumsum(0).to(torch.int32)])
+    return AttentionMetadata(torch.tensor(slots, dtype=torch.int64), cu, seq_lens, tables, int(q_lens.max()),
+                             int(seq_lens.max()), BLOCK, is_decode=bool((q_lens == 1).all()))
+
+
+def qkv(num_tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(num_tokens, HQ * D, generator=gen), torch.randn(num_tokens, HKV * D, generator=gen),
+            torch.randn(num_tokens, HKV * D, generator=gen))
+
+
+def bound_layer(backend: str) -> Attention:
+    layer = Attention(HQ, HKV, D, D**-0.5, backend)
+    layer.k_cache, layer.v_cache = torch.zeros(2, 12, BLOCK, HKV, D).unbind(0)
+    return layer
+
+
+TABLES = torch.tensor([[7, 2, 0], [3, 10, 5]], dtype=torch.int32)
+
+
+def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Plain causal attention of one whole sequence, written out directly."""
+    qh, kh, vh = (x.view(x.shape[0], -1, D).transpose(0, 1) for x in (q, k, v))
+    kh, vh = kh.repeat_interleave(HQ // HKV, 0), vh.repeat_interleave(HQ // HKV, 0)
+    scores = qh @ kh.transpose(1, 2) * D**-0.5
+    scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+    return (scores.softmax(-1) @ vh).transpose(0, 1).reshape(q.shape[0], -1)
+
+
+def test_without_cache_attends_causally_within_each_sequence():
+    q, k, v = qkv(sum(LENS), seed=0)
+    out = Attention(HQ, HKV, D, D**-0.5, "torch")(q, k, v, metadata([(0, n) for n in LENS], TABLES))
+    first = LENS[0]
+    torch.testing.assert_close(out[:first], full_attention(q[:first], k[:first], v[:first]))
+    torch.testing.assert_close(out[first:], full_attention(q[first:], k[first:], v[first:]))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_chunked_prefill_then_decode_over_paged_cache(backend):
+    """Prefill in two chunks, then one decode token: each matches attention over the whole sequence."""
+    total = [n + 1 for n in LENS]
+    q, k, v = qkv(sum(total), seed=1)
+    per_seq = [(q[s:s + n], k[s:s + n], v[s:s + n]) for s, n in zip([0, total[0]], total)]
+    expected = [full_attention(*seq) for seq in per_seq]
+    layer = bound_layer(backend)
+    split = 3  # first chunk: 3 tokens of each sequence; then the rest of the prompt; then 1 decode token
+    steps = [[(0, split)] * 2, [(split, n - split) for n in LENS], [(n, 1) for n in LENS]]
+    for chunks in steps:
+        rows = [slice(s, s + n) for s, n in chunks]
+        out = layer(torch.cat([seq[0][r] for seq, r in zip(per_seq, rows)]),
+                    torch.cat([seq[1][r] for seq, r in zip(per_seq, rows)]),
+                    torch.cat([seq[2][r] for seq, r in zip(per_seq, rows)]), metadata(chunks, TABLES))
+        torch.testing.assert_close(out, torch.cat([exp[r] for exp, r in zip(expected, rows)]), rtol=1e-4, atol=1e-4)
+
+
+def test_unknown_backend_is_a_value_error():
+    with pytest.raises(ValueError, match="attention_backend must be one of torch, triton"):
+        Attention(HQ, HKV, D, 1.0, "flash")

@@ -1,0 +1,81 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
+                                  RowParallelLinear)
+from models.parallel import TensorParallel
+
+GEN = torch.Generator().manual_seed(0)
+
+
+def ranks(world_size: int) -> list[TensorParallel]:
+    return [TensorParallel(rank, world_size) for rank in range(world_size)]
+
+
+def test_column_parallel_shards_output_rows():
+    weight, bias, x = torch.randn(8, 5, generator=GEN), torch.randn(8, generator=GEN), torch.randn(3, 5, generator=GEN)
+    outputs = []
+    for tp in ranks(2):
+        layer = ColumnParallelLinear(5, 8, tp, bias=True)
+        layer.weight.weight_loader(layer.weight, weight)
+        layer.bias.weight_loader(layer.bias, bias)
+        outputs.append(layer(x))
+    torch.testing.assert_close(torch.cat(outputs, dim=-1), F.linear(x, weight, bias))
+
+
+def test_merged_column_packs_each_ranks_share_of_every_projection():
+    gate, up = torch.randn(6, 4, generator=GEN), torch.randn(6, 4, generator=GEN)
+    for tp in ranks(2):
+        layer = MergedColumnParallelLinear(4, [6, 6], tp)
+        layer.weight.weight_loader(layer.weight, gate, 0)
+        layer.weight.weight_loader(layer.weight, up, 1)
+        rows = slice(3 * tp.rank, 3 * tp.rank + 3)
+        torch.testing.assert_close(layer.weight.data, torch.cat([gate[rows], up[rows]]))
+
+
+@pytest.mark.parametrize("world_size, kv_head_of_rank", [(1, [[0, 1]]), (2, [[0], [1]]), (4, [[0], [0], [1], [1]])])
+def test_qkv_splits_or_replicates_kv_heads(world_size, kv_head_of_rank):
+    d, heads, kv_heads, hidden = 2, 4, 2, 3
+    q = torch.randn(heads * d, hidden, generator=GEN)
+    k = torch.randn(kv_heads * d, hidden, generator=GEN)
+    v = torch.randn(kv_heads * d, hidden, generator=GEN)
+    for tp in ranks(world_size):
+        layer = QKVParallelLinear(hidden, d, heads, kv_heads, tp, bias=False)
+        for shard_id, full in zip("qkv", (q, k, v)):
+            layer.weight.weight_loader(layer.weight, full, shard_id)
+        q_part, k_part, v_part = layer.split(layer.weight.data.T)
+        q_rows = slice(tp.rank * layer.q_size, (tp.rank + 1) * layer.q_size)
+        kv_rows = torch.cat([torch.arange(h * d, (h + 1) * d) for h in kv_head_of_rank[tp.rank]])
+        torch.testing.assert_close(q_part.T, q[q_rows])
+        torch.testing.assert_close(k_part.T, k[kv_rows])
+        torch.testing.assert_close(v_part.T, v[kv_rows])
+        assert layer.num_kv_heads == len(kv_head_of_rank[tp.rank])
+
+
+def test_qkv_rejects_tp_that_does_not_divide_kv_heads():
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        QKVParallelLinear(8, 2, 6, 3, TensorParallel(0, 2))
+
+
+def test_row_parallel_partial_products_sum_to_full_output():
+    weight, bias, x = torch.randn(5, 8, generator=GEN), torch.randn(5, generator=GEN), torch.randn(3, 8, generator=GEN)
+    total = torch.zeros(3, 5)
+    for tp in ranks(2):
+        layer = RowParallelLinear(8, 5, tp, bias=True)
+        layer.weight.weight_loader(layer.weight, weight)
+        layer.bias.weight_loader(layer.bias, bias)
+        cols = slice(4 * tp.rank, 4 * tp.rank + 4)
+        # what forward computes before its all-reduce: bias only on rank 0
+        total += F.linear(x[:, cols], layer.weight, layer.bias if tp.is_first else None)
+    torch.testing.assert_close(total, F.linear(x, weight, bias))
+    single = RowParallelLinear(8, 5, TensorParallel.single(), bias=True)
+    single.weight.weight_loader(single.weight, weight)
+    single.bias.weight_loader(single.bias, bias)
+    torch.testing.assert_close(single(x), F.linear(x, weight, bias))
+
+
+def test_loader_rejects_wrong_checkpoint_shape():
+    layer = ColumnParallelLinear(5, 8, TensorParallel.single())
+    with pytest.raises(ValueError, match=r"shape \(8, 4\), expected \(8, 5\)"):
+        layer.weight.weight_loader(layer.weight, torch.zeros(8, 4))

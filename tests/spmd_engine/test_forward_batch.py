@@ -1,0 +1,29 @@
+import numpy as np
+
+from spmd_engine.forward_batch import build_host_batch
+from spmd_engine.plan import StepPlan
+
+
+def test_mixed_prefill_chunk_and_decodes():
+    # seq A: 3 cached tokens + a 5-token chunk that does not finish the prompt (no sample)
+    # seq B: decode at position 9; seq C: fresh 2-token prompt (samples)
+    plan = StepPlan(step=0, seq_ids=np.array([10, 11, 12]), num_computed=np.array([3, 9, 0], dtype=np.int32),
+                    query_lens=np.array([5, 1, 2], dtype=np.int32), input_ids=np.arange(8, dtype=np.int32),
+                    sample=np.array([False, True, True]))
+    tables = np.array([[7, 2, 0], [4, 5, 6], [1, 0, 0]], dtype=np.int32)
+    hb = build_host_batch(plan, tables, block_size=4)
+    assert hb.positions.tolist() == [3, 4, 5, 6, 7, 9, 0, 1]
+    # slot = table[pos // 4] * 4 + pos % 4
+    assert hb.slot_mapping.tolist() == [7 * 4 + 3, 2 * 4 + 0, 2 * 4 + 1, 2 * 4 + 2, 2 * 4 + 3, 6 * 4 + 1, 4, 5]
+    assert hb.cu_seqlens_q.tolist() == [0, 5, 6, 8]
+    assert hb.seq_lens.tolist() == [8, 10, 2]
+    assert hb.logits_indices.tolist() == [5, 7]
+    assert (hb.max_query_len, hb.max_seq_len, hb.is_decode) == (5, 10, False)
+
+
+def test_pure_decode_step_is_flagged():
+    plan = StepPlan(step=3, seq_ids=np.array([1, 2]), num_computed=np.array([4, 7], dtype=np.int32),
+                    query_lens=np.array([1, 1], dtype=np.int32), input_ids=np.array([5, 6], dtype=np.int32),
+                    sample=np.array([True, True]))
+    hb = build_host_batch(plan, np.array([[0, 1], [2, 3]], dtype=np.int32), block_size=4)
+    assert hb.is_decode and hb.positions.tolist() == [4, 7] and hb.slot_mapping.tolist() == [4, 15]

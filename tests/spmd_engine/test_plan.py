@@ -1,0 +1,130 @@
+import pickle
+import random
+
+import numpy as np
+import pytest
+
+from spmd_engine.plan import COMMAND_STOP, BlockTableMirror, PlanBuilder, StepPlan
+from spmd_engine.scheduler import Scheduler, SchedulerConfig
+from spmd_engine.sequence import SamplingParams, Sequence
+
+
+def make(**overrides) -> Scheduler:
+    cfg = dict(max_num_seqs=4, max_num_batched_tokens=12, max_model_len=32, block_size=4, num_blocks=10,
+               enable_prefix_caching=True)
+    cfg.update(overrides)
+    return Scheduler(SchedulerConfig(**cfg), eos_token_ids={0})
+
+
+def test_plan_fields_follow_the_schedule():
+    sched, builder = make(), PlanBuilder()
+    a = Sequence(3, [11, 12, 13, 14, 15, 16, 17], SamplingParams(max_tokens=5))
+    b = Sequence(8, [21, 22, 23, 24, 25, 26], SamplingParams(max_tokens=5))
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()  # a: 7 tokens, b: first 5 of 6
+    plan = builder.build(out, step=0)
+    assert plan.step == 0 and plan.command == "forward" and plan.num_seqs == 2 and plan.num_tokens == 12
+    assert plan.seq_ids.tolist() == [3, 8] and plan.seq_ids.dtype == np.int64
+    assert plan.num_computed.tolist() == [0, 0] and plan.query_lens.tolist() == [7, 5]
+    assert plan.input_ids.tolist() == [11, 12, 13, 14, 15, 16, 17, 21, 22, 23, 24, 25]
+    assert plan.sample.tolist() == [True, False] and not plan.is_decode
+    assert plan.reset_tables.tolist() == [True, True] and plan.new_block_counts.tolist() == [2, 2]
+    assert plan.new_block_ids.tolist() == a.block_table + b.block_table
+    assert plan.dropped_seq_ids.tolist() == []
+
+    sched.postprocess(out, {3: 99})
+    out = sched.schedule()  # a decodes token 99 at position 7 (block 1), b its last prompt token
+    plan = builder.build(out, step=1)
+    assert plan.num_computed.tolist() == [7, 5] and plan.query_lens.tolist() == [1, 1]
+    assert plan.input_ids.tolist() == [99, 26] and plan.is_decode
+    assert plan.reset_tables.tolist() == [False, False] and plan.new_block_counts.tolist() == [0, 0]
+    assert plan.new_block_ids.size == 0
+
+
+def test_finished_and_preempted_are_dropped_once():
+    sched, builder = make(), PlanBuilder()
+    a = Sequence(1, [5, 6], SamplingParams(max_tokens=1))
+    sched.add(a)
+    out = sched.schedule()
+    builder.build(out, 0)
+    sched.postprocess(out, {1: 7})
+    assert a.finish_reason == "length" and builder.num_tracked == 1
+    plan = builder.build(sched.schedule(), 1)
+    assert plan.num_seqs == 0 and plan.dropped_seq_ids.tolist() == [1] and builder.num_tracked == 0
+    mirror = BlockTableMirror(8)
+    assert mirror.apply(plan).shape == (0, 8)
+    # a request that never reached a plan is not sent as dropped
+    sched.add(Sequence(2, [1, 2]))
+    assert sched.abort(2)
+    assert builder.build(sched.schedule(), 2).dropped_seq_ids.tolist() == []
+
+
+def test_stop_plan_drops_every_table_still_held():
+    sched, builder, mirror = make(), PlanBuilder(), BlockTableMirror(8)
+    for i in range(3):
+        sched.add(Sequence(i, [1, 2, 3]))
+    mirror.apply(builder.build(sched.schedule(), 0))
+    assert mirror.num_tables == 3
+    plan = builder.stop_plan(41)
+    assert plan.command == COMMAND_STOP and plan.step == 41 and plan.num_seqs == 0
+    assert sorted(plan.dropped_seq_ids.tolist()) == [0, 1, 2] and builder.num_tracked == 0
+    mirror.apply(plan)
+    assert mirror.num_tables == 0
+
+
+def test_mirror_rejects_a_table_it_never_saw():
+    mirror = BlockTableMirror(4)
+    plan = StepPlan(step=5, seq_ids=np.array([9]), num_computed=np.array([4], np.int32),
+                    query_lens=np.array([1], np.int32), input_ids=np.array([1], np.int32),
+                    sample=np.array([True]), reset_tables=np.array([False]),
+                    new_block_counts=np.array([0], np.int32))
+    with pytest.raises(RuntimeError, match="seq 9 has no block table"):
+        mirror.apply(plan)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_mirror_tracks_scheduler_tables_through_preemption(seed):
+    rng = random.Random(seed)
+    sched = make(max_num_seqs=rng.randint(2, 5), max_num_batched_tokens=rng.randint(4, 16),
+                 num_blocks=rng.randint(8, 12))
+    max_blocks = sched.config.max_blocks_per_seq
+    builder, mirror = PlanBuilder(), BlockTableMirror(max_blocks)
+    # a pickled round trip stands in for broadcast_object_list
+    reqs = [Sequence(i, [rng.randrange(1, 9) for _ in range(rng.randint(1, 14))],
+                     SamplingParams(max_tokens=rng.randint(1, 18), ignore_eos=True)) for i in range(30)]
+    pending, step = list(reqs), 0
+    while pending or sched.has_unfinished():
+        if pending and rng.random() < 0.6:
+            sched.add(pending.pop(0))
+        out = sched.schedule()
+        plan = pickle.loads(pickle.dumps(builder.build(out, step)))
+        tables = mirror.apply(plan)
+        assert tables.shape == (out.num_seqs, max_blocks) and tables.dtype == np.int32
+        for row, s in zip(tables, out.seqs):
+            n = len(s.block_table)
+            assert row[:n].tolist() == s.block_table and not row[n:].any()
+        expected_inputs = [t for s, c, q in zip(out.seqs, out.num_computed_before, out.num_new_tokens)
+                           for t in s.token_ids[c : c + q]]
+        assert plan.input_ids.tolist() == expected_inputs
+        assert mirror.num_tables == builder.num_tracked
+        sched.postprocess(out, {int(i): rng.randrange(1, 9) for i, smp in zip(plan.seq_ids, plan.sample) if smp})
+        step += 1
+        assert step < 5000
+    assert sched.num_preemptions > 0
+    mirror.apply(builder.build(sched.schedule(), step))  # the last finishes are dropped too
+    assert mirror.num_tables == 0 and builder.num_tracked == 0
+
+
+def test_decode_plan_at_batch_256_is_small():
+    sched = make(max_num_seqs=256, max_num_batched_tokens=2048, block_size=16, num_blocks=512)
+    builder = PlanBuilder()
+    for i in range(256):
+        sched.add(Sequence(1000 + i, [1, 2, 3], SamplingParams(max_tokens=8)))
+    out = sched.schedule()
+    builder.build(out, 0)
+    sched.postprocess(out, {s.seq_id: 5 for s in out.seqs})
+    plan = builder.build(sched.schedule(), 1)
+    assert plan.is_decode and plan.num_seqs == 256 and plan.new_block_ids.size == 0
+    size = len(pickle.dumps(plan))
+    assert size < 8 * 1024, size
