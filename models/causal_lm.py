@@ -28,6 +28,7 @@ class CausalLM(nn.Module):
 
     shape: ModelShape
     tp: TensorParallel
+    model: nn.Module  # (input_ids, positions, attn) -> hidden; HF's `model.` parameter prefix
     lm_head: ParallelLMHead
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:

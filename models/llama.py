@@ -100,7 +100,8 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        cos_sin = self.rotary_emb(positions)
+        cos, sin = self.rotary_emb(positions)
+        cos_sin = (cos.to(hidden.dtype), sin.to(hidden.dtype))  # once here, not in every layer
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, cos_sin, attn)
@@ -109,6 +110,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
+    """`model` (embedding, layers, norm) + `lm_head`, sharded over `tp`."""
+
     attention_cls: type[LlamaAttention] = LlamaAttention
     packed_modules = {
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),

@@ -33,7 +33,8 @@ class _VocabShardedWeight(nn.Module):
 
     def load_rows(self, param: nn.Parameter, full: torch.Tensor) -> None:
         if full.shape[0] != self.vocab_size:
-            raise ValueError(f"vocabulary weight has {full.shape[0]} rows, expected vocab_size={self.vocab_size}")
+            raise ValueError(f"vocabulary weight has {full.shape[0]} rows, "
+                             f"expected vocab_size={self.vocab_size}")
         real = self.num_real_rows
         copy_checked(param.data[:real], full.narrow(0, min(self.vocab_start, self.vocab_size), real), "vocabulary weight")
         with torch.no_grad():

@@ -32,7 +32,7 @@ class RopeConfig:
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> RopeConfig:
-        key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
+        key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"  # HF's precedence
         params: dict[str, Any] = dict(config.get(key) or {})
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:

@@ -9,7 +9,7 @@ from kernels.decode_attention import (
     supports,
 )
 from kernels.reference import paged_attention_reference
-from paged_batch import DEVICE, ON_GPU, gpu_case, make_paged_batch, rel_error
+from tests.kernels.paged_batch import DEVICE, ON_GPU, gpu_case, make_paged_batch, rel_error
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # triton interpreter noise
 

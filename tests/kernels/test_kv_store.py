@@ -3,7 +3,7 @@ import torch
 
 from kernels.kv_store import store_kv
 from kernels.reference import store_kv_reference
-from paged_batch import DEVICE, gpu_case
+from tests.kernels.paged_batch import DEVICE, gpu_case
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # triton interpreter noise
 

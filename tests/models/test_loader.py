@@ -61,7 +61,8 @@ def test_missing_tensor_is_named(checkpoint, tmp_path):
 
 
 def test_unexpected_tensor_is_named(checkpoint, tmp_path):
-    path = rewrite(checkpoint, tmp_path / "c", lambda t: t.update({"model.layers.7.mlp.up_proj.weight": torch.zeros(1)}))
+    extra = {"model.layers.7.mlp.up_proj.weight": torch.zeros(1)}
+    path = rewrite(checkpoint, tmp_path / "c", lambda t: t.update(extra))
     with pytest.raises(ValueError, match="'model.layers.7.mlp.up_proj.weight' is not part of Qwen3ForCausalLM"):
         loaded(path)
 

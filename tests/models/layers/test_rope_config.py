@@ -48,3 +48,9 @@ def test_missing_llama3_field_names_it():
 def test_partial_rotary_is_rejected():
     with pytest.raises(ValueError, match="partial_rotary_factor"):
         RopeConfig.from_hf_config({"partial_rotary_factor": 0.5, "rope_theta": 1e4})
+
+
+def test_rope_scaling_takes_precedence_like_transformers():
+    rope = RopeConfig.from_hf_config({"rope_theta": 7.0, "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+                                      "rope_parameters": {"rope_type": "default", "rope_theta": 5.0}})
+    assert (rope.rope_type, rope.factor, rope.theta) == ("linear", 2.0, 7.0)
