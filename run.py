@@ -2,32 +2,46 @@
 """spmd-engine entry point: every rank runs this same program (python, torchrun or srun).
 
 Thin on purpose: rank discovery happens before Hydra so that only rank 0 gets an output
-directory; everything else lives in spmd_engine.job.
+directory; everything else lives in spmd_engine.job. Ranks are discovered again, and the
+process's Supervisor (signals, step watchdog, fault reports) is made, inside `main`: a Hydra
+launcher may pickle `main` and run it in other processes (submitit runs it in slurm tasks).
 """
 from __future__ import annotations
 
 import shutil
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from spmd_engine.distributed import destroy_process_group, discover_ranks
+from spmd_engine.distributed import RankInfo, destroy_process_group, discover_ranks
 from spmd_engine.job import run_job
+from spmd_engine.supervisor import Supervisor
 
 RANKS = discover_ranks()
+SUPERVISORS: list[Supervisor] = []  # this process's one Supervisor, made by the first job it runs
+
+
+def process_supervisor(ranks: RankInfo) -> Supervisor:
+    if not SUPERVISORS:
+        SUPERVISORS.append(Supervisor(ranks))
+        if threading.current_thread() is threading.main_thread():
+            SUPERVISORS[0].install_signal_handlers()  # SIGINT/SIGTERM: every rank out within seconds
+    return SUPERVISORS[0]
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
+    ranks = discover_ranks()  # here too: a launcher may run this function in another process
     hc = HydraConfig.get()
     multirun = hc.mode.name == "MULTIRUN"
-    output_dir = Path(hc.runtime.output_dir) if RANKS.is_first else None
+    output_dir = Path(hc.runtime.output_dir) if ranks.is_first else None
     raw = OmegaConf.to_container(cfg, resolve=True)
-    metrics = run_job(raw, list(hc.overrides.task), RANKS, output_dir, multirun)
+    metrics = run_job(raw, list(hc.overrides.task), ranks, output_dir, multirun, process_supervisor(ranks))
     return None if metrics is None else metrics.get("output_tokens_per_s")
 
 

@@ -13,7 +13,7 @@ DIR=${SPMD_SLURM_DIR:-/tmp/spmd-slurm}
 CONF=$DIR/slurm.conf
 MUNGE_PID=/run/munge/munged.pid
 START_TIMEOUT_S=${SPMD_SLURM_START_TIMEOUT_S:-60}
-INSTALL_TIMEOUT_S=${SPMD_SLURM_INSTALL_TIMEOUT_S:-600}
+INSTALL_TIMEOUT_S=${SPMD_SLURM_INSTALL_TIMEOUT_S:-300}
 export SLURM_CONF=$CONF
 
 die() { echo "local_slurm: $*" >&2; exit 1; }

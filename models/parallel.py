@@ -48,6 +48,12 @@ class TensorParallel:
         if self.world_size == 1:
             return x
         x = x.contiguous()
+        if x.is_cuda:
+            # NCCL has no gather (torch builds one from send/recv); an all-gather is one collective
+            # that CUDA graphs capture like the all-reduces. The other ranks drop the result.
+            full = torch.empty((self.world_size, *x.shape), dtype=x.dtype, device=x.device)
+            dist.all_gather_into_tensor(full, x, group=self.group)
+            return torch.cat(full.unbind(0), dim=dim) if self.is_first else None
         first = 0 if self.group is None else dist.get_global_rank(self.group, 0)
         parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.is_first else None
         dist.gather(x, gather_list=parts, dst=first, group=self.group)

@@ -1,20 +1,25 @@
 """How far a benchmark run is from the GPU's physical limit (the bandwidth/compute floor).
 
-floor = (weights read once per decode step (the longest output's length) + every running sequence's KV read each decode step) /
-measured copy bandwidth + prefill FLOPs / measured matmul rate, all per rank.
+floor = (matmul + LM-head weights read once per decode step (the longest output's length - 1) + every
+sequence's KV context read at each of its decode steps) / measured copy bandwidth + prefill FLOPs /
+measured matmul rate, all per rank.
 """
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def measure_device_rates(device: torch.device) -> dict:
     """Copy bandwidth (bytes read + written per second) and bf16 matmul FLOP/s, measured now."""
     if device.type != "cuda":
         return {}
-    x = torch.empty(1 << 29, dtype=torch.uint8, device=device)  # 512 MiB
+    torch.cuda.empty_cache()  # reuse the step loop's cached blocks instead of growing the reservation
+    x = torch.empty(1 << 28, dtype=torch.uint8, device=device)  # 256 MiB: well past the 60 MB L2
     y = torch.empty_like(x)
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
     b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
@@ -32,24 +37,28 @@ def measure_device_rates(device: torch.device) -> dict:
     mm_s = timed(lambda: a @ b, 10)
     del x, y, a, b
     torch.cuda.empty_cache()
-    return {"copy_bytes_per_s": 2 * (1 << 29) / copy_s, "matmul_flop_per_s": 2 * 8192**3 / mm_s}
+    return {"copy_bytes_per_s": 2 * (1 << 28) / copy_s, "matmul_flop_per_s": 2 * 8192**3 / mm_s}
 
 
 def bench_report(llm, outputs, wall_s: float) -> dict:
+    """The floor of this run, its measured fraction, and the last generate call's step timing."""
     shape, tp = llm.shape, llm.ranks.world_size
-    weight_bytes = sum(p.numel() * p.element_size() for p in llm.model.parameters())
     kv_bytes_per_token = llm.runner.spec.bytes_per_block // llm.cfg.block_size
+    weights = _weight_bytes(llm.model)
     ok = [o for o in outputs if o.finish_reason != "error"]
     kv_bytes = 0
     prefill_flops = 0.0
-    matmul_params = weight_bytes / llm.dtype.itemsize - shape.vocab_size * shape.hidden_size / tp  # no embedding
+    matmul_params = weights["matmul"] / llm.dtype.itemsize
+    head_params = weights["lm_head"] / llm.dtype.itemsize
     for o in ok:
         p, n = len(o.prompt_token_ids), len(o.token_ids)
-        kv_bytes += kv_bytes_per_token * (n * p + n * (n - 1) // 2)  # context p .. p+n-1 per decode step
+        # decode step j (1 .. n-1) reads the p + j cached keys of its context
+        kv_bytes += kv_bytes_per_token * ((n - 1) * p + n * (n - 1) // 2) if n > 0 else 0
         attn = 2 * 2 * shape.num_layers * (shape.num_heads // tp) * shape.head_dim * p * p / 2
-        prefill_flops += 2 * matmul_params * p + attn
+        prefill_flops += 2 * matmul_params * p + 2 * head_params + attn  # LM head: the last token only
     # the fewest decode steps any schedule needs: the longest output, every sequence decoding together
-    decode_steps = max((len(o.token_ids) for o in ok), default=0)
+    decode_steps = max((len(o.token_ids) - 1 for o in ok), default=0)
+    weight_bytes = weights["matmul"] + weights["lm_head"]  # what one decode step reads (not the embedding)
     report = {"weight_bytes_per_rank": weight_bytes, "kv_bytes_read": kv_bytes, "prefill_flops": prefill_flops,
               "min_decode_steps": decode_steps, **llm.last_run}
     rates = measure_device_rates(llm.device)
@@ -59,4 +68,41 @@ def bench_report(llm, outputs, wall_s: float) -> dict:
         report.update(rates)
         report["floor_s"] = floor
         report["fraction_of_floor"] = floor / wall_s if wall_s > 0 else 0.0
+        log.info("bench: %.2f s wall vs %.2f s floor (%.0f%% of the floor; copy %.2f TB/s, matmul %.0f TFLOP/s)",
+                 wall_s, floor, 100 * report["fraction_of_floor"], rates["copy_bytes_per_s"] / 1e12,
+                 rates["matmul_flop_per_s"] / 1e12)
+    timing = llm.last_run.get("step_timing", {})
+    for kind in ("decode_max_batch", "decode", "prefill_or_mixed"):
+        row = timing.get(kind)
+        if row:
+            log.info("bench %s steps: %d x %.2f ms (%.0f seqs): schedule %.3f, broadcast %.3f, inputs %.3f, "
+                     "forward %.3f, sample %.3f, postprocess %.3f ms; host plan work %.1f%%", kind, row["steps"],
+                     row["step_ms"], row["mean_seqs"], row["schedule_ms"], row["broadcast_ms"], row["inputs_ms"],
+                     row["forward_ms"], row["sample_ms"], row["postprocess_ms"], 100 * row["host_plan_fraction"])
     return report
+
+
+def _weight_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """Bytes per rank of the matmul weights in the layers, of the LM head, and of the embedding
+    (a tied LM head is the embedding: counted as the LM head, since decoding reads all of it)."""
+    out = {"matmul": 0, "lm_head": 0, "embedding": 0, "other": 0}
+    seen: set[int] = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        size = param.numel() * param.element_size()
+        if name.startswith("lm_head.") or (name.endswith("embed_tokens.weight") and _is_tied(model, param)):
+            out["lm_head"] += size
+        elif "embed_tokens" in name:
+            out["embedding"] += size
+        elif param.dim() == 2:
+            out["matmul"] += size
+        else:
+            out["other"] += size  # norms, biases
+    return out
+
+
+def _is_tied(model: torch.nn.Module, param: torch.nn.Parameter) -> bool:
+    head = getattr(model, "lm_head", None)
+    return head is not None and head.weight is param

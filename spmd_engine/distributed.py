@@ -25,6 +25,7 @@ class RankInfo:
     master_addr: str
     master_port: int
     source: str  # torchrun | slurm | single
+    restart_count: int = 0  # torchrun's TORCHELASTIC_RESTART_COUNT: keeps store keys of restarts apart
 
     @property
     def is_first(self) -> bool:
@@ -60,7 +61,8 @@ def discover_ranks(env: dict[str, str] | None = None) -> RankInfo:
     env = dict(os.environ if env is None else env)
     if "RANK" in env and "WORLD_SIZE" in env:
         return RankInfo(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
-                        env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)), "torchrun")
+                        env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)), "torchrun",
+                        int(env.get("TORCHELASTIC_RESTART_COUNT", 0) or 0))
     if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
         addr = env.get("MASTER_ADDR") or _slurm_master(nodelist)

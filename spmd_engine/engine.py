@@ -16,18 +16,23 @@ from typing import Any
 import torch
 
 from models.model_config import ModelShape
+from spmd_engine.block_manager import BlockManager
 from spmd_engine.config import ConfigError, EngineConfig
 from spmd_engine.distributed import RankInfo, broadcast_object, gather_errors
 from spmd_engine.faults import FaultInjector
+from spmd_engine.kv_cache import KVCacheSpec, blocks_for_bytes
 from spmd_engine.metrics import KVCapacity
 from spmd_engine.model_runner import ModelRunner, RunnerSettings
 from spmd_engine.model_source import ModelSource, resolve_model_source
 from spmd_engine.outputs import RequestOutput
 from spmd_engine.plan import COMMAND_STOP, PlanBuilder
+from spmd_engine.preflight import check_checkpoint_files
+from spmd_engine.progress import StepProgress
 from spmd_engine.prompts import PromptRequest, validate_prompt
 from spmd_engine.sampler import Sampler, SamplingRow
 from spmd_engine.scheduler import Scheduler, SchedulerConfig
 from spmd_engine.sequence import SamplingParams, Sequence
+from spmd_engine.step_timing import StepTimer
 
 log = logging.getLogger(__name__)
 
@@ -65,12 +70,21 @@ def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str | None)
 
 
 def resolve_max_model_len(requested: int | None, shape: ModelShape) -> int:
-    limit = shape.max_position_embeddings
+    """`requested` if the positions fit: max_position_embeddings, or with rope scaling up to
+    original_max_position_embeddings x factor; null: min(max_position_embeddings, the cap)."""
+    limit, rope = shape.max_position_embeddings, shape.rope
     if requested is None:
         return min(limit, DEFAULT_MAX_MODEL_LEN_CAP)
-    if requested > limit and not shape.rope_scaling:
+    if requested <= limit:
+        return requested
+    if rope.rope_type == "default":
         raise ConfigError(f"max_model_len={requested} exceeds the model's max_position_embeddings={limit} "
-                          f"and the model has no rope_scaling to extend it")
+                          f"and the model has no rope scaling to extend it")
+    scaled = int((rope.original_max_position_embeddings or limit) * rope.factor)
+    if requested > scaled:
+        raise ConfigError(f"max_model_len={requested} exceeds {scaled} positions, the most the model's "
+                          f"{rope.rope_type} rope scaling (factor {rope.factor:g}) extends "
+                          f"max_position_embeddings={limit} to")
     return requested
 
 
@@ -94,20 +108,23 @@ def resolve_backend(name: str, device: torch.device, block_size: int, head_dim: 
 class LLM:
     """One engine instance per rank; `generate` is collective (every rank calls it)."""
 
-    def __init__(self, cfg: EngineConfig, ranks: RankInfo) -> None:
+    def __init__(self, cfg: EngineConfig, ranks: RankInfo, step_progress: StepProgress | None = None) -> None:
         from models.loader import load_dummy_weights, load_safetensors_weights
         from models.parallel import TensorParallel
         from models.registry import build_model
 
         self.cfg, self.ranks = cfg, ranks
+        self.step_progress = step_progress or StepProgress()  # stamped per step; the watchdog reads it
         agreed(lambda: cfg.validate(ranks.world_size))
         self.device = agreed(lambda: resolve_device(cfg.device, ranks.local_rank))
         self.source: ModelSource = agreed(lambda: resolve_model_source(cfg.model))
+        agreed(lambda: check_checkpoint_files(self.source.checkpoint_dir))  # weights missing on one node
         self.shape: ModelShape = agreed(lambda: self._checked_shape())
         self.max_model_len: int = agreed(lambda: resolve_max_model_len(cfg.max_model_len, self.shape))
         self.dtype = resolve_dtype(cfg.dtype, self.device, self.shape.torch_dtype)
         backend = agreed(lambda: resolve_backend(cfg.attention_backend, self.device, cfg.block_size,
                                                  self.shape.head_dim))
+        agreed(self._check_planned_kv_capacity)  # before the weights load: a too-small pool fails fast
         tp = TensorParallel.from_default_group() if ranks.world_size > 1 else TensorParallel.single()
 
         started = time.perf_counter()
@@ -115,7 +132,8 @@ class LLM:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                self.model = build_model(self.source.hf_config, tp, backend)
+                # agreed: an unsupported architecture / activation / sliding window fails every rank alike
+                self.model = agreed(lambda: build_model(self.source.hf_config, tp, backend))
         finally:
             torch.set_default_dtype(previous_dtype)
         if self.source.checkpoint_dir is None:
@@ -132,7 +150,7 @@ class LLM:
                                   cfg.num_kv_blocks)
         self.runner = ModelRunner(self.model, self.shape, settings, self.device, self.dtype, ranks.world_size)
         self.kv_capacity = KVCapacity(self.runner.num_blocks, cfg.block_size, self.runner.spec.bytes_per_block)
-        agreed(self._check_kv_capacity)
+        agreed(lambda: self._check_kv_capacity(self.kv_capacity.num_blocks))
         self.faults = FaultInjector.from_config(cfg.fault, ranks.rank)
         log.info("engine: block_size=%d max_model_len=%d max_num_seqs=%d max_num_batched_tokens=%d "
                  "prefix_caching=%s cuda_graphs=%s device=%s", cfg.block_size, self.max_model_len,
@@ -142,20 +160,36 @@ class LLM:
         log.info("KV cache: %d blocks, %d tokens, %.3f GiB per rank%s", cap["blocks"], cap["tokens"], cap["gib"],
                  f" ({self.runner.memory_budget.describe()})" if self.runner.memory_budget else "")
         self.step = 0
-        self.last_run: dict[str, int] = {}  # step counts of the last generate call (rank 0)
+        self.last_run: dict[str, Any] = {}  # step counts and step timing of the last generate call (rank 0)
+        # rank 0: the KV pool's bookkeeping outlives one generate call, so the prefix cache still hits
+        # in the next one (the KV tensors it indexes live as long as the runner)
+        self.block_manager: BlockManager | None = None
 
     def _checked_shape(self) -> ModelShape:
         shape = ModelShape.from_hf_config(self.source.hf_config)
         shape.validate_tensor_parallel(self.ranks.world_size)
         return shape
 
-    def _check_kv_capacity(self) -> None:
-        tokens = self.kv_capacity.num_blocks * self.cfg.block_size
+    def _check_planned_kv_capacity(self) -> None:
+        """A fixed num_kv_blocks or a CPU GiB budget sizes the pool without the model; CUDA measures later."""
+        cfg = self.cfg
+        if cfg.num_kv_blocks is not None:
+            self._check_kv_capacity(cfg.num_kv_blocks)
+        elif self.device.type == "cpu":
+            spec = KVCacheSpec(self.shape.num_layers, self.shape.kv_heads_per_rank(self.ranks.world_size),
+                               self.shape.head_dim, cfg.block_size, self.dtype)
+            self._check_kv_capacity(blocks_for_bytes(spec, cfg.cpu_kv_cache_gib * (1 << 30)))
+
+    def _check_kv_capacity(self, num_blocks: int) -> None:
+        tokens = num_blocks * self.cfg.block_size
+        runner = getattr(self, "runner", None)  # absent in the check before the model is built
+        budget = runner.memory_budget if runner is not None else None
         if tokens < self.max_model_len:
             raise ConfigError(
-                f"the KV pool holds {self.kv_capacity.num_blocks} blocks x block_size {self.cfg.block_size} = "
+                f"the KV pool holds {num_blocks} blocks x block_size {self.cfg.block_size} = "
                 f"{tokens} tokens, less than one max_model_len={self.max_model_len} sequence; raise "
-                f"gpu_memory_utilization / cpu_kv_cache_gib / num_kv_blocks or lower max_model_len")
+                f"gpu_memory_utilization / cpu_kv_cache_gib / num_kv_blocks or lower max_model_len"
+                + (f" ({budget.describe()})" if budget is not None else ""))
 
     # --- generation -----------------------------------------------------------------------
     def generate(self, requests: list[PromptRequest], on_finish: Callable[[RequestOutput], None] | None = None,
@@ -167,11 +201,16 @@ class LLM:
         return _Generation(self, requests, on_finish, decode, progress).run()
 
     def _follow_plans(self) -> None:
+        first = True
         while True:
+            self.step_progress.wait_plan(first)
+            first = False
             plan = broadcast_object(None)
             if plan.command == COMMAND_STOP:
                 self.runner.mirror.apply(plan)  # forget the last tables
+                self.step_progress.idle()
                 return
+            self.step_progress.step(plan.step)
             self.faults.before_step(plan.step)
             self.runner.execute(plan)
 
@@ -189,10 +228,14 @@ class _Generation:
         self.on_finish = on_finish or (lambda out: None)
         self.decode = decode
         self.progress = progress
+        kept = llm.block_manager
+        if kept is not None and kept.num_used_blocks:  # an earlier run ended half-way: start clean
+            kept = None
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, llm.max_model_len, cfg.block_size,
                             llm.runner.num_blocks, cfg.enable_prefix_caching),
-            set(llm.shape.eos_token_ids))
+            set(llm.shape.eos_token_ids), kept)
+        llm.block_manager = self.scheduler.block_manager
         self.builder = PlanBuilder()
         self.sampler = Sampler(llm.device, cfg.seed + llm.step)
         self.defaults = SamplingParams(**vars(cfg.sampling))
@@ -224,27 +267,44 @@ class _Generation:
             self._admit(seq_id, req)
         bar = _progress_bar(len(self.live), self.progress)
         steps = decode_steps = 0
+        timer = StepTimer()
         while self.scheduler.has_unfinished():
+            llm.step_progress.step(llm.step)
+            t0 = time.perf_counter()
             schedule = self.scheduler.schedule()
             if schedule.is_empty:
                 raise RuntimeError("scheduler made no progress (no sequence fits the KV pool)")
             plan = self.builder.build(schedule, llm.step)
+            t1 = time.perf_counter()
             broadcast_object(plan)
+            t2 = time.perf_counter()
             steps += 1
             decode_steps += int(plan.is_decode)
             llm.faults.before_step(plan.step)
             logits = llm.runner.execute(plan)
+            llm.step_progress.forward_issued()
+            t3 = time.perf_counter()
             sampled = self._sample(schedule, logits)
+            t4 = time.perf_counter()
             for seq in self.scheduler.postprocess(schedule, sampled):
                 self._finish(seq)
                 bar.update(1)
             llm.step += 1
+            inputs = llm.runner.last_input_s
+            timer.add(plan.num_seqs, plan.num_tokens, plan.is_decode, schedule=t1 - t0, broadcast=t2 - t1,
+                      inputs=inputs, forward=t3 - t2 - inputs, sample=t4 - t3,
+                      postprocess=time.perf_counter() - t4)
         stop = self.builder.stop_plan(llm.step)
         broadcast_object(stop)
         llm.runner.mirror.apply(stop)
+        llm.step_progress.idle()
         bar.close()
+        cached = sum(o.num_cached_tokens for o in self.outputs)
         llm.last_run = {"steps": steps, "decode_steps": decode_steps,
-                        "preemptions": self.scheduler.num_preemptions}
+                        "preemptions": self.scheduler.num_preemptions, "cached_prompt_tokens": cached,
+                        "step_timing": timer.summary()}
+        log.info("generate: %d steps (%d decode), %d preemptions, %d prompt tokens from the prefix cache",
+                 steps, decode_steps, self.scheduler.num_preemptions, cached)
         self.outputs.sort(key=lambda o: o.index)
         return self.outputs
 

@@ -2,6 +2,8 @@
 
 Enabled with `+fault.rank=R +fault.step=S +fault.kind=raise|exit|kill|hang` on the command line;
 every rank gets the same config and only rank R acts, just before step S's forward.
+`+fault.kind=slow_start +fault.seconds=N` instead makes rank R sleep N seconds before its requests
+are read (rank 0: as if tokenizing a huge prompts file), which must not time the others out.
 """
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import signal
 import time
 from dataclasses import dataclass
 
-FAULT_KINDS = ("raise", "exit", "kill", "hang")
+STEP_KINDS = ("raise", "exit", "kill", "hang")
+FAULT_KINDS = (*STEP_KINDS, "slow_start")
 
 
 class InjectedFault(RuntimeError):
@@ -22,6 +25,7 @@ class FaultInjector:
     rank: int | None = None
     step: int = 0
     kind: str = "raise"
+    seconds: float = 0.0
 
     @classmethod
     def from_config(cls, fault: dict | None, my_rank: int) -> "FaultInjector":
@@ -31,10 +35,15 @@ class FaultInjector:
         if kind not in FAULT_KINDS:
             raise ValueError(f"fault.kind must be one of {'|'.join(FAULT_KINDS)}, got {kind!r}")
         rank = int(fault.get("rank", 0))
-        return cls(rank if rank == my_rank else None, int(fault.get("step", 0)), kind)
+        return cls(rank if rank == my_rank else None, int(fault.get("step", 0)), kind,
+                   float(fault.get("seconds", 0.0)))
+
+    def before_requests(self) -> None:
+        if self.rank is not None and self.kind == "slow_start":
+            time.sleep(self.seconds)
 
     def before_step(self, step: int) -> None:
-        if self.rank is None or step != self.step:
+        if self.rank is None or step != self.step or self.kind not in STEP_KINDS:
             return
         if self.kind == "raise":
             raise InjectedFault(f"injected fault on rank {self.rank} at step {step}")

@@ -29,6 +29,14 @@ class HostBatch:
     max_seq_len: int
     is_decode: bool
 
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
 
 @dataclass
 class ForwardBatch:
@@ -39,6 +47,8 @@ class ForwardBatch:
 
 
 def build_host_batch(plan: StepPlan, block_tables: np.ndarray, block_size: int) -> HostBatch:
+    if plan.is_decode:
+        return _decode_host_batch(plan, block_tables, block_size)
     q = plan.query_lens.astype(np.int64)
     cu = np.zeros(len(q) + 1, dtype=np.int64)
     np.cumsum(q, out=cu[1:])
@@ -61,6 +71,27 @@ def build_host_batch(plan: StepPlan, block_tables: np.ndarray, block_size: int) 
         max_query_len=int(q.max()) if len(q) else 0,
         max_seq_len=int(seq_lens.max()) if len(q) else 0,
         is_decode=plan.is_decode,
+    )
+
+
+def _decode_host_batch(plan: StepPlan, block_tables: np.ndarray, block_size: int) -> HostBatch:
+    """One token per sequence: the same arrays without the varlen bookkeeping (the common step)."""
+    num = plan.num_seqs
+    positions = plan.num_computed.astype(np.int64)
+    blocks = block_tables[np.arange(num), positions // block_size].astype(np.int64)
+    seq_lens = (positions + 1).astype(np.int32)
+    rows = np.arange(num + 1, dtype=np.int64)
+    return HostBatch(
+        input_ids=plan.input_ids.astype(np.int64),
+        positions=positions,
+        slot_mapping=blocks * block_size + positions % block_size,
+        cu_seqlens_q=rows.astype(np.int32),
+        seq_lens=seq_lens,
+        block_tables=block_tables,
+        logits_indices=rows[:-1][plan.sample],
+        max_query_len=1,
+        max_seq_len=int(seq_lens.max()),
+        is_decode=True,
     )
 
 

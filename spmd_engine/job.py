@@ -2,6 +2,8 @@
 
 Rank 0 alone reads prompts, tokenizes and writes files; user errors end every rank with one
 line on rank 0 (exit code 2), and inside a multirun they mark the job failed and the sweep goes on.
+Any other failure of a distributed job goes to the Supervisor, which stops every rank and has one
+of them say why.
 """
 from __future__ import annotations
 
@@ -15,9 +17,12 @@ import torch
 
 from spmd_engine.config import ConfigError, EngineConfig, engine_config_from_dict
 from spmd_engine.distributed import RankInfo, init_process_group
-from spmd_engine.engine import LLM
+from spmd_engine.engine import LLM, agreed
+from spmd_engine.error_line import report_error
 from spmd_engine.metrics import summarize, write_metrics
 from spmd_engine.outputs import OutputsWriter, RequestOutput, read_outputs
+from spmd_engine.preflight import check_prompts_file
+from spmd_engine.supervisor import Supervisor
 from spmd_engine.workloads import build_requests, run_bench_warmup
 
 log = logging.getLogger("spmd_engine")
@@ -34,9 +39,14 @@ def setup_logging(ranks: RankInfo, level: str) -> None:
 
 
 def run_job(raw_cfg: dict[str, Any], overrides: list[str], ranks: RankInfo, output_dir: Path | None,
-            multirun: bool) -> dict | None:
-    """Returns the metrics dict on rank 0 (None elsewhere); raises SystemExit on user errors."""
+            multirun: bool, supervisor: Supervisor | None = None) -> dict | None:
+    """Returns the metrics dict on rank 0 (None elsewhere); raises SystemExit on user errors.
+
+    `supervisor` (one per process; run.py's has the signal handlers) watches the steps; in a
+    distributed job any error other than a user error ends the process through it.
+    """
     setup_logging(ranks, raw_cfg.get("log_level", "INFO"))
+    supervisor = supervisor or Supervisor(ranks)
     started = time.time()
     metrics: dict[str, Any] = {"overrides": overrides, "status": "failed", "world_size": ranks.world_size}
     llm: LLM | None = None
@@ -44,18 +54,25 @@ def run_job(raw_cfg: dict[str, Any], overrides: list[str], ranks: RankInfo, outp
         cfg = engine_config_from_dict(raw_cfg)
         use_cuda = cfg.device != "cpu" and torch.cuda.is_available()
         init_process_group(ranks, use_cuda, cfg.dist_timeout_s)
-        llm = LLM(cfg, ranks)
-        metrics.update(_generate(llm, cfg, ranks, output_dir))
+        supervisor.attach(cfg.dist_timeout_s)
+        agreed(lambda: check_prompts_file(cfg.prompts_file) if ranks.is_first else None)
+        llm = LLM(cfg, ranks, step_progress=supervisor.progress)
+        metrics.update(_generate(llm, cfg, ranks, output_dir, supervisor))
         metrics["status"] = "ok"
-    except ConfigError as exc:
+    except ConfigError as exc:  # every rank raises it (engine.agreed) or none does
+        supervisor.detach()
         metrics["error"] = str(exc)
         if ranks.is_first:
-            log.error("error: %s", exc)
-            print(f"error: {exc}", file=sys.stderr, flush=True)
+            report_error(str(exc))
         if not multirun:
             _write(metrics, raw_cfg, ranks, output_dir, started)
             raise SystemExit(EXIT_USER_ERROR)
+    except Exception as exc:
+        if ranks.world_size > 1:
+            supervisor.fail(exc)  # ends this process; the others follow within seconds
+        raise
     finally:
+        supervisor.detach()
         if llm is not None:
             llm.close()
     _write(metrics, raw_cfg, ranks, output_dir, started)
@@ -71,8 +88,13 @@ def _write(metrics: dict, raw_cfg: dict, ranks: RankInfo, output_dir: Path | Non
         write_metrics(output_dir / "metrics.json", metrics)
 
 
-def _generate(llm: LLM, cfg: EngineConfig, ranks: RankInfo, output_dir: Path | None) -> dict:
+def _generate(llm: LLM, cfg: EngineConfig, ranks: RankInfo, output_dir: Path | None,
+              supervisor: Supervisor) -> dict:
+    gate = supervisor.start_gate()
+    llm.faults.before_requests()
     if not ranks.is_first:
+        if gate is not None:
+            gate.wait()  # rank 0 reads and tokenizes first, for as long as that takes
         if cfg.workload.name == "bench" and cfg.workload.params.get("warmup", True):
             llm.generate([])
         llm.generate([])
@@ -87,14 +109,17 @@ def _generate(llm: LLM, cfg: EngineConfig, ranks: RankInfo, output_dir: Path | N
         finished = {row["index"] for row in done}
         requests = [r for r in requests if r.index not in finished]
         log.info("resume: %d requests already in %s, %d to run", len(finished), outputs_path, len(requests))
+    writer = OutputsWriter(outputs_path, keep=done) if outputs_path else None
+    if gate is not None:
+        gate.open()  # everything slow on rank 0 alone is done: the plans follow
     if cfg.workload.name == "bench" and cfg.workload.params.get("warmup", True):
         run_bench_warmup(llm)
-    writer = OutputsWriter(outputs_path, keep=done) if outputs_path else None
     decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer else None
     t0 = time.perf_counter()
     try:
-        outputs = llm.generate(requests, on_finish=writer.write if writer else None, decode=decode,
-                               progress=len(requests) > 1)
+        with supervisor.before_exit(writer.quiesce if writer else lambda: None):
+            outputs = llm.generate(requests, on_finish=writer.write if writer else None, decode=decode,
+                                   progress=len(requests) > 1)
     finally:
         if writer is not None:
             writer.close()

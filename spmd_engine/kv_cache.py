@@ -26,23 +26,30 @@ class KVCacheSpec:
 
 @dataclass(frozen=True)
 class CudaMemoryBudget:
-    """The numbers behind a CUDA KV sizing decision (logged, and quoted in errors)."""
+    """The numbers behind a CUDA KV sizing decision (logged, and quoted in errors).
+
+    The eager activations of a step and the sampler's temporaries never live at the same time, so
+    only the larger one is kept free; the CUDA graphs' memory pool stays allocated for good.
+    """
 
     total: int
     utilization: float
-    in_use: int  # weights, context, other processes: total - free after the warm-up
-    activation_peak: int  # extra bytes the warm-up forward needed beyond what stays allocated
-    reserve: int  # CUDA graphs and sampler head-room
+    in_use: int  # weights, CUDA context, NCCL, other processes: total - free after the warm-up
+    activation_peak: int  # extra bytes the warm-up forward at max_num_batched_tokens needed
+    sampler_peak: int  # extra bytes sampling max_num_seqs rows needed (rank 0)
+    graph_pool: int  # decode CUDA graphs: the warm-up decode forward's peak at the largest graph batch
 
     @property
     def kv_bytes(self) -> int:
-        return int(self.total * self.utilization) - self.in_use - self.activation_peak - self.reserve
+        return (int(self.total * self.utilization) - self.in_use - max(self.activation_peak, self.sampler_peak)
+                - self.graph_pool)
 
     def describe(self) -> str:
         gib = 1 << 30
         return (f"total {self.total / gib:.2f} GiB x gpu_memory_utilization {self.utilization} - in use "
-                f"{self.in_use / gib:.2f} GiB - activation peak {self.activation_peak / gib:.2f} GiB - "
-                f"reserve {self.reserve / gib:.2f} GiB = {self.kv_bytes / gib:.2f} GiB for KV")
+                f"{self.in_use / gib:.2f} GiB - max(activation peak {self.activation_peak / gib:.2f}, sampler peak "
+                f"{self.sampler_peak / gib:.2f}) GiB - CUDA graph pool {self.graph_pool / gib:.2f} GiB = "
+                f"{self.kv_bytes / gib:.2f} GiB for KV")
 
 
 def blocks_for_bytes(spec: KVCacheSpec, num_bytes: float) -> int:

@@ -1,10 +1,14 @@
 """ModelRunner: owns the model and its KV cache on one rank and turns a StepPlan into logits.
 
-Every rank runs this identically; only tensor-parallel rank 0 gets logits back.
+Every rank runs this identically; only tensor-parallel rank 0 gets logits back. On CUDA a step's
+inputs go through persistent pinned buffers (one host->device copy) and decode steps replay CUDA
+graphs captured over those same buffers.
 """
 from __future__ import annotations
 
+import gc
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +16,7 @@ import torch
 from models.model_config import ModelShape
 from spmd_engine.distributed import all_reduce_min
 from spmd_engine.forward_batch import build_host_batch, to_device
+from spmd_engine.input_buffers import InputBuffers
 from spmd_engine.kv_cache import (CudaMemoryBudget, KVCacheSpec, allocate_kv_cache,
                                   blocks_for_bytes)
 from spmd_engine.plan import BlockTableMirror, StepPlan
@@ -35,18 +40,27 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, shape: ModelShape, settings: RunnerSettings,
                  device: torch.device, dtype: torch.dtype, tp_size: int) -> None:
         self.model = model
+        self.shape = shape
         self.settings = settings
         self.device = device
         self.spec = KVCacheSpec(shape.num_layers, shape.kv_heads_per_rank(tp_size), shape.head_dim,
                                 settings.block_size, dtype)
+        max_blocks = -(-settings.max_model_len // settings.block_size)
+        self.use_graphs = (device.type == "cuda" and not settings.enforce_eager
+                           and all(layer.backend == "triton" for layer in model.attention_layers()))
         self.memory_budget: CudaMemoryBudget | None = None
         self.num_blocks = all_reduce_min(self._fit_num_blocks())
         self.kv_caches = allocate_kv_cache(self.spec, self.num_blocks, device)
         model.bind_kv_cache(self.kv_caches)
-        max_blocks = -(-settings.max_model_len // settings.block_size)
         self.mirror = BlockTableMirror(max_blocks)
+        self.inputs: InputBuffers | None = None
+        if device.type == "cuda":
+            self.inputs = InputBuffers(max(settings.max_num_batched_tokens, settings.max_num_seqs),
+                                       settings.max_num_seqs, max_blocks, settings.block_size, device)
+        self.last_input_s = 0.0  # host time of the last execute spent turning the plan into device inputs
         self.graphs = None
-        if device.type == "cuda" and not settings.enforce_eager:
+        # a pool smaller than one sequence is refused by the engine right after this; capture nothing
+        if self.use_graphs and self.num_blocks * settings.block_size >= settings.max_model_len:
             from spmd_engine.cuda_graphs import DecodeGraphs
             self.graphs = DecodeGraphs.capture(self, max_blocks)
 
@@ -62,22 +76,36 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _measure_cuda_budget(self) -> CudaMemoryBudget:
-        """Run one forward at the step token budget without a KV cache and measure its peak."""
+        """Warm-up forwards without a KV cache: the eager step at the token budget, the largest
+        decode graph, and sampling max_num_seqs rows; each one's peak above what stays allocated."""
         s = self.settings
+        num_tokens = min(s.max_num_batched_tokens, s.max_num_seqs * s.max_model_len)
+        seq_len = min(num_tokens, s.max_model_len)
+        lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
+        activation_peak = self._peak_of(lambda: self._warmup_forward(lens))
+        graph_pool = 0
+        if self.use_graphs:
+            from spmd_engine.cuda_graphs import graph_batch_sizes
+            graph_tokens = min(s.max_num_seqs, max(s.max_num_batched_tokens, s.max_num_seqs))
+            graph_pool = self._peak_of(lambda: self._warmup_forward([graph_tokens]))
+            # every graph keeps its own float32 logits output alive in the pool
+            graph_pool += sum(graph_batch_sizes(s.max_num_seqs)) * self.shape.vocab_size * 4
+        sampler_peak = self._peak_of(self._warmup_sampler)
+        gc.collect()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        return CudaMemoryBudget(total, s.gpu_memory_utilization, total - free, activation_peak, sampler_peak,
+                                graph_pool)
+
+    def _peak_of(self, fn) -> int:
+        gc.collect()  # an earlier job's model in this process (multirun) must not count as in use
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         baseline = torch.cuda.memory_allocated()
-        num_tokens = min(s.max_num_batched_tokens, s.max_num_seqs * s.max_model_len)
-        seq_len = min(num_tokens, s.max_model_len)
-        lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
-        self._warmup_forward(lens)
+        fn()
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - baseline
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info()
-        reserve = 0 if s.enforce_eager else 512 << 20
-        return CudaMemoryBudget(total, s.gpu_memory_utilization, total - free, peak, reserve)
+        return torch.cuda.max_memory_allocated() - baseline
 
     def _warmup_forward(self, seq_lens: list[int]) -> None:
         from models.attention_metadata import AttentionMetadata
@@ -98,15 +126,35 @@ class ModelRunner:
         rows = last.repeat(-(-self.settings.max_num_seqs // len(seq_lens)))[: self.settings.max_num_seqs]
         self.model.compute_logits(hidden[rows])
 
+    def _warmup_sampler(self) -> None:
+        """Sample max_num_seqs rows of fake logits through the sampler's two costly paths (top-k with
+        its sort; top-p alone), on rank 0's memory only during sampling."""
+        from spmd_engine.sampler import Sampler, SamplingRow
+        n = self.settings.max_num_seqs
+        logits = torch.randn(n, self.shape.vocab_size, device=self.device)
+        for top_k in (50, -1):
+            Sampler(self.device, 0).sample(logits, [SamplingRow(i, 1.0, 0.9, top_k, None) for i in range(n)])
+
     # --- the step -----------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
-        """Run one planned step; logits [num_sampled, vocab] on rank 0, None elsewhere."""
+        """Run one planned step; logits [num_sampled, vocab] on rank 0, None elsewhere.
+
+        Logits from a CUDA graph are a view of its static output: use them before the next step.
+        """
+        started = time.perf_counter()
         tables = self.mirror.apply(plan)
         host = build_host_batch(plan, tables, self.settings.block_size)
         if self.graphs is not None and self.graphs.can_run(host):
-            return self.graphs.run(host)
-        batch = to_device(host, self.settings.block_size, self.device)
+            built = time.perf_counter()
+            logits = self.graphs.run(host)
+            self.last_input_s = built - started + self.graphs.last_stage_s
+            return logits
+        if self.inputs is not None and self.inputs.fits(host):
+            batch = self.inputs.load(host)
+        else:
+            batch = to_device(host, self.settings.block_size, self.device)
+        self.last_input_s = time.perf_counter() - started
         hidden = self.model(batch.input_ids, batch.positions, batch.attn)
         if batch.logits_indices.numel() == 0:
             return None
@@ -117,5 +165,9 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.close()
             self.graphs = None
+        self.inputs = None
         self.model.bind_kv_cache([(None, None)] * len(self.kv_caches))
         self.kv_caches = []
+        if self.device.type == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()

@@ -84,10 +84,20 @@ class ScheduleOutput:
 class Scheduler:
     """Owns the waiting queue, the running list and the block manager (rank 0 only)."""
 
-    def __init__(self, config: SchedulerConfig, eos_token_ids: set[int]) -> None:
+    def __init__(self, config: SchedulerConfig, eos_token_ids: set[int],
+                 block_manager: BlockManager | None = None) -> None:
+        """`block_manager`: an idle one (no block in use) kept from an earlier run, so its prefix cache
+        still hits; None = a fresh pool."""
         self.config = config.validate()
         self.eos_token_ids = set(eos_token_ids)
-        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        if block_manager is None:
+            block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        elif block_manager.num_used_blocks or (block_manager.num_blocks, block_manager.block_size,
+                                               block_manager.enable_prefix_caching) != (
+                config.num_blocks, config.block_size, config.enable_prefix_caching):
+            raise ValueError("a reused block manager must be idle and match num_blocks, block_size and "
+                             "enable_prefix_caching")
+        self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last one is preempted first
         self._unfinished: dict[int, Sequence] = {}

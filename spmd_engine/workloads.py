@@ -28,7 +28,9 @@ def bench_requests(params: dict) -> list[PromptRequest]:
     top = int(params.get("token_id_max", 10000))
     prompts = [[rng.randint(0, top) for _ in range(rng.randint(lo_in, hi_in))] for _ in range(n)]
     max_tokens = [rng.randint(lo_out, hi_out) for _ in range(n)]
-    overrides = {"temperature": float(params.get("temperature", 0.6)), "ignore_eos": True}
+    # nano-vllm samples with temperature alone: no nucleus or top-k, whatever sampling.* says
+    overrides = {"temperature": float(params.get("temperature", 0.6)), "top_p": 1.0, "top_k": -1,
+                 "ignore_eos": True}
     return [PromptRequest(i, None, p, {**overrides, "max_tokens": m}) for i, (p, m) in enumerate(zip(prompts, max_tokens))]
 
 

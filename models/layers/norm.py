@@ -1,4 +1,7 @@
-"""RMSNorm, optionally fused with the residual add that precedes every norm in a decoder layer."""
+"""RMSNorm, optionally fused with the residual add that precedes every norm in a decoder layer.
+
+On CUDA one Triton launch does add + norm (`kernels/rms_norm.py`); elsewhere the torch ops below.
+"""
 from __future__ import annotations
 
 import torch
@@ -21,6 +24,10 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`norm(x)`; with `residual`: `(norm(x + residual), x + residual)`."""
+        if x.is_cuda and x.dim() in (2, 3) and x.stride(-1) == 1:
+            from kernels.rms_norm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
             return self._normalize(x), x

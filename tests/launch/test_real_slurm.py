@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -17,15 +18,10 @@ TIMEOUT_S = 120
 pytestmark = pytest.mark.slurm
 
 
-def _slurm_conf() -> Path | None:
-    conf = Path(os.environ.get("SLURM_CONF", LOCAL_SLURM_CONF))
-    return conf if conf.is_file() else None
-
-
-def _slurm_ready(conf: Path | None) -> str | None:
+def _slurm_ready(conf: Path) -> str | None:
     """None when srun/sbatch can run here, else why not."""
-    if conf is None:
-        return f"no slurm.conf (SLURM_CONF unset and {LOCAL_SLURM_CONF} missing; run launch/local_slurm.sh up)"
+    if not conf.is_file():
+        return f"no slurm config at {conf} (run: sudo bash launch/local_slurm.sh up)"
     for tool in ("srun", "sbatch", "sinfo", "scancel"):
         if shutil.which(tool) is None:
             return f"{tool} not on PATH"
@@ -39,7 +35,7 @@ def _slurm_ready(conf: Path | None) -> str | None:
     return None
 
 
-SLURM_CONF = _slurm_conf()
+SLURM_CONF = Path(os.environ.get("SLURM_CONF", LOCAL_SLURM_CONF))
 _why_not = _slurm_ready(SLURM_CONF)
 if _why_not:
     pytestmark = [pytest.mark.slurm, pytest.mark.skip(reason=f"slurm unavailable: {_why_not}")]
@@ -69,19 +65,35 @@ def test_srun_two_tasks_match_a_single_process(tiny_ckpt: Path, reference_tokens
     assert read_metrics(out_dir)["world_size"] == 2
 
 
+def _wait_for_job(job_id: str, env: dict[str, str], timeout_s: float) -> dict[str, str]:
+    """Poll `scontrol show job` (sbatch --wait backs off to ~30 s sleeps) until the job ends."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        out = subprocess.run(["scontrol", "-o", "show", "job", job_id], env=env, capture_output=True, text=True,
+                             timeout=15).stdout
+        fields = dict(item.split("=", 1) for item in out.split() if "=" in item)
+        if fields.get("JobState") not in (None, "PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
+            return fields
+        time.sleep(0.5)
+    subprocess.run(["scancel", job_id], env=env, timeout=15)
+    pytest.fail(f"slurm job {job_id} did not end in {timeout_s} s (cancelled)")
+
+
 def test_sbatch_script_matches_a_single_process(tiny_ckpt: Path, reference_tokens: list[list[int]],
                                                 tmp_path: Path) -> None:
     name = f"spmd-test-{uuid.uuid4().hex[:8]}"
     out_dir = tmp_path / "run"
     # the script asks for 8 tasks and 8 GPUs per node; a 2-CPU test node overrides both
-    proc = _slurm_run(["sbatch", "--wait", f"--job-name={name}", "--ntasks-per-node=2", "--gpus-per-node=0",
+    proc = _slurm_run(["sbatch", "--parsable", f"--job-name={name}", "--ntasks-per-node=2", "--gpus-per-node=0",
                        "--cpus-per-task=1", "--time=3", f"--output={tmp_path}/slurm-%j.out",
                        "launch/slurm.sbatch", *engine_args(tiny_ckpt), f"hydra.run.dir={out_dir}"], name, tmp_path)
-    assert "Submitted batch job" in proc.stdout
+    job_id = proc.stdout.strip().split(";")[0]
+    job = _wait_for_job(job_id, clean_env(SLURM_CONF=str(SLURM_CONF)), TIMEOUT_S)
+    log = (tmp_path / f"slurm-{job_id}.out").read_text()
+    assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), log[-4000:]
+    assert "2 tasks" in log
     assert token_ids(out_dir) == reference_tokens
     assert read_metrics(out_dir)["world_size"] == 2
-    (log,) = tmp_path.glob("slurm-*.out")
-    assert "2 tasks" in log.read_text()
 
 
 def test_submitit_launcher_runs_each_point_as_one_two_task_job(tiny_ckpt: Path, reference_tokens: list[list[int]],

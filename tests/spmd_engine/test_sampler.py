@@ -55,3 +55,29 @@ def test_per_request_seed_is_reproducible_and_independent_of_batch():
     batch = torch.cat([torch.randn(3, 100), logits])
     b = Sampler(torch.device("cpu"), 5).sample(batch, [row(1), row(2), row(3), row(7, seed=123)])
     assert b[3] == a[0]
+
+
+def test_nucleus_sampling_matches_the_renormalised_nucleus():
+    probs = torch.tensor([0.05, 0.4, 0.2, 0.3, 0.04, 0.01])  # top_p 0.8: nucleus {1, 3, 2} (0.7 before 2)
+    logits = torch.log(probs).expand(6000, 6).contiguous()
+    out = Sampler(torch.device("cpu"), 3).sample(logits, [row(i, p=0.8) for i in range(6000)])
+    freq = np.bincount(out, minlength=6) / 6000
+    expected = torch.tensor([0.0, 0.4, 0.2, 0.3, 0.0, 0.0]) / 0.9
+    assert np.allclose(freq, expected.numpy(), atol=0.03)
+    assert freq[[0, 4, 5]].sum() == 0
+
+
+def test_nucleus_rows_that_need_many_rounds_still_land_in_it():
+    # a flat tail holding most of the mass outside a tiny nucleus forces rejections
+    logits = torch.full((300, 1000), 0.0)
+    logits[:, 0] = 8.0  # ~0.75 of the mass
+    out = Sampler(torch.device("cpu"), 4).sample(logits, [row(i, p=0.5) for i in range(300)])
+    assert (out == 0).all()
+
+
+def test_seeded_nucleus_rows_are_reproducible_across_batches():
+    logits = torch.randn(1, 200)
+    alone = Sampler(torch.device("cpu"), 0).sample(logits, [row(7, p=0.9, seed=5)])[0]
+    batch = torch.cat([torch.randn(2, 200), logits])
+    together = Sampler(torch.device("cpu"), 9).sample(batch, [row(1, p=0.9), row(2, p=0.5), row(7, p=0.9, seed=5)])
+    assert together[2] == alone

@@ -1,0 +1,31 @@
+"""Triton SwiGLU gate: silu(gate) * up of a packed [T, 2d] projection in one launch (not two)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 1024
+
+
+@triton.jit
+def _silu_and_mul_kernel(x, out, width, stride_x_row, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < width
+    gate = tl.load(x + row * stride_x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x + row * stride_x_row + width + cols, mask=mask, other=0.0).to(tl.float32)
+    silu = gate / (1.0 + tl.exp(-gate))
+    tl.store(out + row * width + cols, (silu * up).to(out.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2d] (gate | up, last dim contiguous) -> [T, d]."""
+    if x.dim() != 2 or x.shape[1] % 2 or x.stride(1) != 1:
+        raise ValueError(f"silu_and_mul: x must be [T, 2d] with a contiguous last dim, got {tuple(x.shape)}")
+    rows, width = x.shape[0], x.shape[1] // 2
+    out = torch.empty(rows, width, dtype=x.dtype, device=x.device)
+    if rows:
+        _silu_and_mul_kernel[(rows, triton.cdiv(width, BLOCK))](x, out, width, x.stride(0), BLOCK=BLOCK,
+                                                                 num_warps=4)
+    return out

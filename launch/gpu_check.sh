@@ -1,0 +1,139 @@
+#!/usr/bin/env bash
+# The GPU checks and benchmarks of docs/BENCHMARKS.md, in one call on an H200 machine (2 GPUs for tp).
+#   bash launch/gpu_check.sh [STAGE ...]
+#   stages: tests fused sampler qwen3 qwen3_p1 bs1 prefill tp sweep profile (default: all)
+# Logs go to $OUT/log.txt (OUT defaults to ./gpu_check_out), every run's metrics.json to $OUT/metrics.tgz,
+# and a summary table is printed last (also $OUT/summary.txt). Each stage has its own time limit.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH="${PYTHONPATH:-}:$PWD" HYDRA_FULL_ERROR=1
+OUT=${OUT:-$PWD/gpu_check_out}
+WORK=${GPU_CHECK_WORK:-/tmp/gpu_check}
+mkdir -p "$OUT" "$WORK"
+LOG=$OUT/log.txt
+stages=${*:-tests fused sampler qwen3 qwen3_p1 bs1 prefill tp sweep profile}
+TORCHRUN=(python -m torch.distributed.run --standalone --nproc_per_node=2)
+BENCH=(model.load_format=dummy workload=bench)
+
+note() { echo "=== $(date +%T) $*" | tee -a "$LOG"; }
+run() {  # run NAME LIMIT_S CMD...: one engine job into $WORK/NAME
+  local name=$1 limit=$2; shift 2
+  note "$name: $*"
+  local t0=$SECONDS
+  timeout -k 10 "$limit" "$@" "hydra.run.dir=$WORK/$name" 2>&1 | tee -a "$LOG" | grep -E "bench|generate:|requests,|CUDA|KV cache|rror"
+  local rc=${PIPESTATUS[0]}
+  note "$name: exit $rc after $((SECONDS - t0)) s"
+}
+
+note "device: $(nvidia-smi -L | tr '\n' ' ') torch $(python -c 'import torch; print(torch.__version__)')"
+for stage in $stages; do
+  case $stage in
+    tests)
+      note "tests: pytest tests/gpu + GPU kernel cases"
+      timeout -k 10 300 python -m pytest tests/gpu tests/kernels/test_rms_norm.py tests/kernels/test_rotary.py \
+        tests/kernels/test_silu_and_mul.py -q -x -p no:cacheprovider 2>&1 | tee -a "$LOG" | tail -15 ;;
+    fused)
+      note "fused: kernels/bench_fused_ops.py"
+      CUDA_VISIBLE_DEVICES=0 timeout -k 10 120 python kernels/bench_fused_ops.py 2>&1 | tee -a "$LOG" ;;
+    sampler)
+      note "sampler: one step's sampling of 256 rows x Qwen3 vocab (median ms)"
+      CUDA_VISIBLE_DEVICES=0 timeout -k 10 60 python - <<'PY' 2>&1 | tee -a "$LOG"
+import torch, triton.testing
+from spmd_engine.sampler import Sampler, SamplingRow
+logits = torch.randn(256, 151936, device="cuda") * 2
+sampler = Sampler(torch.device("cuda"), 0)
+for name, t, p in (("greedy", 0.0, 1.0), ("temperature 0.6", 0.6, 1.0), ("temperature 0.6 top_p 0.95", 0.6, 0.95)):
+    rows = [SamplingRow(i, t, p, -1, None) for i in range(256)]
+    ms = triton.testing.do_bench(lambda: sampler.sample(logits, rows), warmup=20, rep=200, return_mode="median")
+    print(f"sampler {name}: {ms:.3f} ms")
+PY
+      ;;
+    qwen3)
+      CUDA_VISIBLE_DEVICES=0 run qwen3 200 python run.py model=qwen3 "${BENCH[@]}" max_model_len=4096 ;;
+    qwen3_p1)
+      CUDA_VISIBLE_DEVICES=0 run qwen3_p1 200 python run.py model=qwen3 "${BENCH[@]}" max_model_len=4096 sampling.top_p=1.0 ;;
+    bs1)
+      CUDA_VISIBLE_DEVICES=0 run bs1 120 python run.py model=qwen3 "${BENCH[@]}" workload.num_seqs=1 ;;
+    prefill)
+      CUDA_VISIBLE_DEVICES=0 run prefill 120 python run.py model=qwen3 "${BENCH[@]}" workload.num_seqs=16 \
+        workload.min_input_len=1024 workload.max_input_len=1024 workload.min_output_len=1 workload.max_output_len=1 ;;
+    tp)
+      CUDA_VISIBLE_DEVICES=0 run q8b_tp1 240 python run.py model=qwen3_8b "${BENCH[@]}"
+      run q8b_tp2 240 "${TORCHRUN[@]}" run.py model=qwen3_8b "${BENCH[@]}" ;;
+    sweep)
+      note "sweep: block_size=16,32,256 x gpu_memory_utilization=0.5,0.9"
+      CUDA_VISIBLE_DEVICES=0 timeout -k 10 420 python run.py -m block_size=16,32,256 gpu_memory_utilization=0.5,0.9 \
+        model=qwen3 "${BENCH[@]}" "hydra.sweep.dir=$WORK/sweep" 2>&1 | tee -a "$LOG" \
+        | grep -E "bench: |requests,|error" || true
+      python launch/sweep_report.py "$WORK/sweep" 2>&1 | tee -a "$LOG" "$OUT/sweep.txt" ;;
+    profile)
+      note "profile: GPU time by kernel over decode-heavy generate calls (torch.profiler)"
+      CUDA_VISIBLE_DEVICES=0 timeout -k 10 150 python - <<'PY' 2>&1 | tee -a "$LOG"
+import time, torch, yaml
+from torch.profiler import ProfilerActivity, profile
+from spmd_engine.config import engine_config_from_dict
+from spmd_engine.distributed import RankInfo
+from spmd_engine.engine import LLM
+from spmd_engine.workloads import bench_requests
+
+model = yaml.safe_load(open("conf/model/qwen3.yaml"))
+model["load_format"] = "dummy"
+raw = {"model": model, "workload": {"name": "bench"}, "max_model_len": 4096, "log_level": "WARNING"}
+llm = LLM(engine_config_from_dict(raw), RankInfo(0, 1, 0, "127.0.0.1", 0, "single"))
+for n in (1, 256):
+    reqs = bench_requests({"num_seqs": n, "min_input_len": 600, "max_input_len": 600, "min_output_len": 40,
+                           "max_output_len": 40})
+    llm.generate(reqs[:1])
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        llm.generate(reqs)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    events = [(getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0), e.count, e.key)
+              for e in prof.key_averages()]
+    gpu = sum(t for t, _, _ in events)
+    timing = llm.last_run["step_timing"]["decode"]
+    print(f"--- batch {n}: wall {wall * 1e3:.1f} ms (profiled), GPU busy {gpu / 1e3:.1f} ms, decode step "
+          f"{timing['step_ms']:.2f} ms x {timing['steps']}")
+    for t, count, key in sorted(events, reverse=True)[:16]:
+        print(f"{t / 1e3:9.2f} ms {count:7d}  {key[:90]}")
+llm.close()
+PY
+      ;;
+    *) note "unknown stage $stage" ;;
+  esac
+done
+
+(cd "$WORK" && find . -name metrics.json | tar czf "$OUT/metrics.tgz" -T -) 2>/dev/null
+python - "$WORK" <<'EOF' 2>&1 | tee -a "$LOG" "$OUT/summary.txt"
+import json, sys
+from pathlib import Path
+
+def get(d, *keys):
+    for k in keys:
+        d = d.get(k) if isinstance(d, dict) else None
+    return d
+
+def f(x, fmt="{:.1f}"):
+    return "-" if x is None else fmt.format(x)
+
+rows = []
+for path in sorted(Path(sys.argv[1]).glob("**/metrics.json")):
+    m = json.loads(path.read_text())
+    b = m.get("bench", {})
+    t = get(b, "step_timing", "decode_max_batch") or {}
+    wall = m.get("wall_time_s")
+    rows.append([str(path.parent.relative_to(sys.argv[1])), m.get("status"), f(m.get("output_tokens_per_s"), "{:.0f}"),
+                 f(m.get("prompt_tokens", 0) / wall if wall else None, "{:.0f}"), f(wall, "{:.2f}"),
+                 f(get(m, "ttft", "p50_ms")), f(get(m, "itl", "p50_ms"), "{:.2f}"), f(get(m, "itl", "p90_ms"), "{:.2f}"),
+                 f(b.get("fraction_of_floor"), "{:.2f}"), f(t.get("mean_seqs"), "{:.0f}"), f(t.get("step_ms"), "{:.2f}"),
+                 f(t.get("schedule_ms"), "{:.2f}"), f(t.get("broadcast_ms"), "{:.2f}"), f(t.get("inputs_ms"), "{:.2f}"),
+                 f(t.get("sample_ms"), "{:.2f}"), f(t.get("postprocess_ms"), "{:.2f}"),
+                 f(100 * t["host_plan_fraction"] if "host_plan_fraction" in t else None), str(get(m, "kv_capacity", "blocks")),
+                 (m.get("error") or "")[:60]])
+head = ["run", "status", "out tok/s", "prompt tok/s", "wall s", "TTFT p50", "ITL p50", "ITL p90", "floor frac",
+        "B", "step ms", "sched", "bcast", "inputs", "sample", "post", "plan %", "KV blocks", "error"]
+widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
+for r in [head] + rows:
+    print("  ".join(str(c).rjust(w) for c, w in zip(r, widths)))
+EOF

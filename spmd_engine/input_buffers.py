@@ -1,0 +1,111 @@
+"""InputBuffers: one step's model inputs staged in a persistent pinned buffer, copied in one go.
+
+Every field has a fixed place in one byte buffer on the host (pinned) and one on the device, so a
+step costs one host->device copy and no allocation, and the device views keep their addresses from
+step to step: the decode CUDA graphs are captured on exactly these views. The block table comes
+last, so the copy stops after the rows this step uses.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from models.attention_metadata import AttentionMetadata
+from spmd_engine.forward_batch import ForwardBatch, HostBatch
+
+_ALIGN = 256  # bytes; keeps every view aligned like a fresh allocation (Triton specialises on it)
+_NUMPY = {torch.int64: np.int64, torch.int32: np.int32}
+
+
+@dataclass(frozen=True)
+class BufferField:
+    name: str
+    dtype: torch.dtype
+    numel: int
+    offset: int  # bytes from the start of the buffer
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.tensor([], dtype=self.dtype).element_size()
+
+
+def _layout(max_tokens: int, max_seqs: int, max_blocks: int) -> tuple[dict[str, BufferField], int]:
+    specs = [("input_ids", torch.int64, max_tokens), ("positions", torch.int64, max_tokens),
+             ("slot_mapping", torch.int64, max_tokens), ("logits_indices", torch.int64, max_seqs),
+             ("cu_seqlens_q", torch.int32, max_seqs + 1), ("seq_lens", torch.int32, max_seqs),
+             ("block_tables", torch.int32, max_seqs * max_blocks)]
+    fields, offset = {}, 0
+    for name, dtype, numel in specs:
+        field = BufferField(name, dtype, numel, offset)
+        fields[name] = field
+        offset += -(-field.nbytes // _ALIGN) * _ALIGN
+    return fields, offset
+
+
+class InputBuffers:
+    """Capacity: `max_tokens` tokens and `max_seqs` sequences of `max_blocks` KV blocks per step."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, block_size: int,
+                 device: torch.device) -> None:
+        self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
+        self.block_size = block_size
+        self.device = device
+        self.fields, total = _layout(max_tokens, max_seqs, max_blocks)
+        self.host = torch.zeros(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        self.dev = torch.zeros(total, dtype=torch.uint8, device=device)
+        host_np = self.host.numpy()
+        self._np = {n: host_np[f.offset:f.offset + f.nbytes].view(_NUMPY[f.dtype]) for n, f in self.fields.items()}
+        self._dev = {n: self.dev[f.offset:f.offset + f.nbytes].view(f.dtype) for n, f in self.fields.items()}
+        self._np["block_tables"] = self._np["block_tables"].reshape(max_seqs, max_blocks)
+        self._dev["block_tables"] = self._dev["block_tables"].view(max_seqs, max_blocks)
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
+
+    def fits(self, host: HostBatch, rows: int | None = None) -> bool:
+        rows = host.num_seqs if rows is None else rows
+        return (host.num_tokens <= self.max_tokens and rows <= self.max_seqs and rows <= self.max_tokens
+                and host.block_tables.shape[1] == self.max_blocks)
+
+    def load(self, host: HostBatch, rows: int | None = None) -> ForwardBatch:
+        """Stage `host` and copy it to the device; return device views of this step's inputs.
+
+        `rows` pads a decode batch to that many sequences (one token each): padded rows have slot
+        -1 (nothing stored) and seq_len 0 (the decode kernel returns zeros for them).
+        """
+        num_seqs, num_tokens = host.num_seqs, host.num_tokens
+        rows = num_seqs if rows is None else rows
+        if rows != num_seqs and not (host.is_decode and rows > num_seqs):
+            raise ValueError(f"only a decode batch can be padded, got {num_seqs} seqs -> {rows} rows")
+        tokens = num_tokens + rows - num_seqs
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has left the staging buffer
+        a = self._np
+        a["input_ids"][:num_tokens] = host.input_ids
+        a["positions"][:num_tokens] = host.positions
+        a["slot_mapping"][:num_tokens] = host.slot_mapping
+        a["seq_lens"][:num_seqs] = host.seq_lens
+        a["cu_seqlens_q"][: num_seqs + 1] = host.cu_seqlens_q
+        a["block_tables"][:num_seqs] = host.block_tables
+        num_logits = len(host.logits_indices)
+        a["logits_indices"][:num_logits] = host.logits_indices
+        if rows > num_seqs:
+            a["input_ids"][num_tokens:tokens] = 0
+            a["positions"][num_tokens:tokens] = 0
+            a["slot_mapping"][num_tokens:tokens] = -1
+            a["seq_lens"][num_seqs:rows] = 0
+            a["cu_seqlens_q"][num_seqs + 1: rows + 1] = np.arange(num_tokens + 1, tokens + 1, dtype=np.int32)
+            a["block_tables"][num_seqs:rows] = 0
+        tables = self.fields["block_tables"]
+        end = tables.offset + rows * self.max_blocks * 4
+        self.dev[:end].copy_(self.host[:end], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        d = self._dev
+        attn = AttentionMetadata(
+            slot_mapping=d["slot_mapping"][:tokens], cu_seqlens_q=d["cu_seqlens_q"][: rows + 1],
+            seq_lens=d["seq_lens"][:rows], block_tables=d["block_tables"][:rows],
+            max_query_len=host.max_query_len, max_seq_len=host.max_seq_len, block_size=self.block_size,
+            is_decode=host.is_decode)
+        return ForwardBatch(d["input_ids"][:tokens], d["positions"][:tokens], attn, d["logits_indices"][:num_logits])
+

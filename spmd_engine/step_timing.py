@@ -1,0 +1,63 @@
+"""StepTimer: where rank 0's wall time goes in each step, measured with host clocks only.
+
+No device synchronisation is added: GPU time shows up where the host first waits for it (the
+sampler reading tokens back), so `sample` holds the GPU's share of a step and the other phases
+are host work during which the GPU idles (the loop is synchronous).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+PHASES = ("schedule", "broadcast", "inputs", "forward", "sample", "postprocess")
+HOST_PLAN_PHASES = ("schedule", "broadcast", "inputs")  # building, sending and staging the plan
+
+
+@dataclass
+class StepTimer:
+    """Per-step phase durations (seconds) plus the step's shape; summarised by step kind."""
+
+    num_seqs: list[int] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    is_decode: list[bool] = field(default_factory=list)
+    phases: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in PHASES})
+
+    def add(self, num_seqs: int, num_tokens: int, is_decode: bool, **durations: float) -> None:
+        if set(durations) != set(PHASES):
+            raise ValueError(f"step timing needs exactly the phases {PHASES}, got {sorted(durations)}")
+        self.num_seqs.append(num_seqs)
+        self.num_tokens.append(num_tokens)
+        self.is_decode.append(is_decode)
+        for name, seconds in durations.items():
+            self.phases[name].append(seconds)
+
+    def __len__(self) -> int:
+        return len(self.num_seqs)
+
+    def summary(self) -> dict:
+        """Mean milliseconds per phase for: all steps, decode steps, mixed/prefill steps, and decode
+        steps at the largest batch seen; plus the host plan work as a fraction of the step time."""
+        if not self.num_seqs:
+            return {"steps": 0}
+        seqs = np.asarray(self.num_seqs)
+        decode = np.asarray(self.is_decode)
+        groups = {"all": np.ones_like(decode), "decode": decode, "prefill_or_mixed": ~decode,
+                  "decode_max_batch": decode & (seqs == seqs[decode].max() if decode.any() else False)}
+        out: dict = {"steps": len(self)}
+        for name, mask in groups.items():
+            if mask.any():
+                out[name] = self._group(mask, seqs)
+        return out
+
+    def _group(self, mask: np.ndarray, seqs: np.ndarray) -> dict:
+        ms = {p: np.asarray(v)[mask] * 1e3 for p, v in self.phases.items()}
+        step = sum(ms.values())
+        host_plan = sum(ms[p] for p in HOST_PLAN_PHASES)
+        row = {"steps": int(mask.sum()), "mean_seqs": float(seqs[mask].mean()),
+               "mean_tokens": float(np.asarray(self.num_tokens)[mask].mean()),
+               "step_ms": float(step.mean()), "step_p50_ms": float(np.percentile(step, 50))}
+        row.update({f"{p}_ms": float(v.mean()) for p, v in ms.items()})
+        row["host_plan_ms"] = float(host_plan.mean())
+        row["host_plan_fraction"] = float(host_plan.sum() / step.sum()) if step.sum() > 0 else 0.0
+        return row

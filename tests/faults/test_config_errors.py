@@ -1,0 +1,57 @@
+"""Config errors seen by any rank (even one node only) end every rank before the weights load:
+exit code 2 everywhere, one line on rank 0, no traceback anywhere."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from tests.faults.launches import finish, start_plain
+from tests.helpers.tiny_checkpoints import make_tiny_checkpoint
+
+
+def copy_ckpt(src: Path, dst: Path, edit=None, drop: str | None = None) -> Path:
+    shutil.copytree(src, dst)
+    if drop:
+        (dst / drop).unlink()
+    if edit:
+        config = json.loads((dst / "config.json").read_text())
+        edit(config)
+        (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_config_errors_are_agreed_by_every_rank(fault_ckpt: Path, tmp_path: Path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt_token_ids": [5, 6, 7]}) + "\n")
+    no_weights = copy_ckpt(fault_ckpt, tmp_path / "no-weights", drop="model.safetensors")
+    mamba = copy_ckpt(fault_ckpt, tmp_path / "mamba", edit=lambda c: c.update(architectures=["MambaForCausalLM"]))
+    three_heads = make_tiny_checkpoint(tmp_path / "three-heads", num_heads=3, num_kv_heads=1, tokenizer=False)
+    per_rank = {0: {"SPMD_TEST_CKPT": str(fault_ckpt)}, 1: {"SPMD_TEST_CKPT": str(no_weights)}}
+    cases = {  # name -> (overrides, per-rank env, words of rank 0's one line)
+        "weights-missing-on-rank1": (["model.path=${oc.env:SPMD_TEST_CKPT}"], per_rank,
+                                     ["[rank 1]", "no-weights", "no .safetensors files"]),
+        "heads-not-divisible": ([f"model.path={three_heads}"], None,
+                                ["tensor_parallel_size=2", "num_attention_heads=3"]),
+        "unknown-architecture": ([f"model.path={mamba}"], None, ["MambaForCausalLM", "not supported"]),
+        "pool-below-one-sequence": ([f"model.path={fault_ckpt}", "num_kv_blocks=2"], None,
+                                    ["KV pool holds 2 blocks", "max_model_len=64"]),
+        "prompts-file-missing": ([f"model.path={fault_ckpt}", f"prompts_file={tmp_path / 'nope.jsonl'}"], None,
+                                 ["prompts_file=", "nope.jsonl", "no such file"]),
+    }
+    launches = {}
+    for name, (overrides, env, _) in cases.items():
+        args = ["model=qwen3", f"prompts_file={prompts}", "device=cpu", "num_kv_blocks=64", "max_model_len=64",
+                "dist_timeout_s=30", f"hydra.run.dir={tmp_path / name}", *overrides]
+        launches[name] = start_plain(name, args, tmp_path, env_by_rank=env)
+    finish(list(launches.values()), timeout_s=150)
+
+    for name, (_, _, words) in cases.items():
+        launch = launches[name]
+        rank0, rank1 = launch.procs
+        assert launch.returncodes == [2, 2], launch.describe()
+        lines = rank0.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and all(w in lines[0] for w in words), \
+            (name, lines)
+        assert rank1.stderr.strip() == "" and "Traceback" not in rank0.stdout + rank1.stdout, launch.describe()
+        assert "loaded" not in rank0.stdout, launch.describe()  # stopped before the weights

@@ -1,0 +1,28 @@
+import time
+
+import pytest
+
+from spmd_engine.faults import FaultInjector, InjectedFault
+
+
+def test_only_the_named_rank_acts_at_the_named_step():
+    cfg = {"rank": 1, "step": 3, "kind": "raise"}
+    FaultInjector.from_config(cfg, my_rank=0).before_step(3)  # other rank: nothing
+    mine = FaultInjector.from_config(cfg, my_rank=1)
+    mine.before_step(2)
+    with pytest.raises(InjectedFault, match="rank 1 at step 3"):
+        mine.before_step(3)
+    assert FaultInjector.from_config(None, 0).rank is None
+
+
+def test_slow_start_sleeps_before_requests_only():
+    slow = FaultInjector.from_config({"rank": 0, "kind": "slow_start", "seconds": 0.2}, my_rank=0)
+    slow.before_step(0)  # not a step fault
+    t0 = time.monotonic()
+    slow.before_requests()
+    assert time.monotonic() - t0 >= 0.2
+
+
+def test_unknown_kind_is_one_line():
+    with pytest.raises(ValueError, match="fault.kind must be one of raise"):
+        FaultInjector.from_config({"kind": "explode"}, 0)

@@ -1,0 +1,73 @@
+"""What the decode graphs record, checked eagerly on CPU: padding rows change nothing real."""
+import numpy as np
+import pytest
+import torch
+
+from models.loader import load_dummy_weights
+from models.model_config import ModelShape
+from models.parallel import TensorParallel
+from models.registry import build_model
+from spmd_engine.cuda_graphs import decode_step, graph_batch_sizes
+from spmd_engine.forward_batch import build_host_batch, to_device
+from spmd_engine.input_buffers import InputBuffers
+from spmd_engine.model_runner import ModelRunner, RunnerSettings
+from spmd_engine.plan import StepPlan
+
+HF = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+      "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 97,
+      "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": True,
+      "eos_token_id": 1}
+BLOCK = 4
+
+
+def test_graph_sizes_cover_every_batch_up_to_max_num_seqs():
+    assert graph_batch_sizes(256)[:6] == [1, 2, 4, 8, 16, 32] and graph_batch_sizes(256)[-1] == 256
+    assert graph_batch_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert graph_batch_sizes(3) == [1, 2, 3]
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        graph_batch_sizes(0)
+
+
+@pytest.fixture
+def runner():
+    torch.manual_seed(0)
+    model = build_model(HF, TensorParallel.single(), "torch")
+    load_dummy_weights(model, 0)
+    settings = RunnerSettings(BLOCK, 32, 8, 64, False, 0.9, 1.0, num_kv_blocks=40)
+    return ModelRunner(model, ModelShape.from_hf_config(HF), settings, torch.device("cpu"), torch.float32, 1)
+
+
+def test_padded_decode_gives_the_same_logits_and_kv(runner):
+    lens = [5, 9, 3]
+    blocks = [[3, 17], [8, 1, 30], [22]]
+    prefill = StepPlan(step=0, seq_ids=np.arange(3), num_computed=np.zeros(3, dtype=np.int32),
+                       query_lens=np.array(lens, dtype=np.int32),
+                       input_ids=np.random.default_rng(0).integers(0, 97, sum(lens)).astype(np.int32),
+                       sample=np.ones(3, dtype=bool), reset_tables=np.ones(3, dtype=bool),
+                       new_block_counts=np.array([len(b) for b in blocks], dtype=np.int32),
+                       new_block_ids=np.array(sum(blocks, []), dtype=np.int32))
+    for k, v in runner.kv_caches:  # allocated uninitialised: NaN garbage would defeat torch.equal
+        k.zero_(), v.zero_()
+    runner.execute(prefill)
+    decode = StepPlan(step=1, seq_ids=np.arange(3), num_computed=np.array(lens, dtype=np.int32),
+                      query_lens=np.ones(3, dtype=np.int32), input_ids=np.array([5, 6, 7], dtype=np.int32),
+                      sample=np.ones(3, dtype=bool), reset_tables=np.zeros(3, dtype=bool),
+                      new_block_counts=np.zeros(3, dtype=np.int32), new_block_ids=np.zeros(0, dtype=np.int32))
+    host = build_host_batch(decode, runner.mirror.apply(decode), BLOCK)
+    with torch.inference_mode():
+        eager = decode_step(runner.model, to_device(host, BLOCK, runner.device))
+        cache_after_eager = [k.clone() for k, _ in runner.kv_caches]
+        buffers = InputBuffers(8, 8, host.block_tables.shape[1], BLOCK, runner.device)
+        padded = decode_step(runner.model, buffers.load(host, rows=8))
+    assert padded.shape == (8, 97)
+    torch.testing.assert_close(padded[:3], eager, atol=1e-5, rtol=1e-5)
+    real = torch.zeros(40 * BLOCK, dtype=torch.bool)
+    real[torch.from_numpy(host.slot_mapping)] = True
+    for (k, _), before in zip(runner.kv_caches, cache_after_eager):
+        k, before = k.reshape(40 * BLOCK, -1), before.reshape(40 * BLOCK, -1)
+        assert torch.equal(k[~real], before[~real])  # padded rows stored nothing (slot -1)
+        torch.testing.assert_close(k[real], before[real])
+
+
+def test_no_graphs_and_no_staging_buffers_on_cpu(runner):
+    assert runner.graphs is None and runner.inputs is None and not runner.use_graphs

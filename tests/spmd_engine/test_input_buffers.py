@@ -1,0 +1,60 @@
+import numpy as np
+import pytest
+import torch
+
+from spmd_engine.forward_batch import build_host_batch, to_device
+from spmd_engine.input_buffers import InputBuffers
+from spmd_engine.plan import StepPlan
+
+CPU = torch.device("cpu")
+
+
+def mixed_host():
+    plan = StepPlan(step=0, seq_ids=np.array([10, 11, 12]), num_computed=np.array([3, 9, 0], dtype=np.int32),
+                    query_lens=np.array([5, 1, 2], dtype=np.int32), input_ids=np.arange(8, dtype=np.int32),
+                    sample=np.array([False, True, True]))
+    return build_host_batch(plan, np.array([[7, 2, 0], [4, 5, 6], [1, 0, 0]], dtype=np.int32), block_size=4)
+
+
+def decode_host(num_seqs):
+    plan = StepPlan(step=1, seq_ids=np.arange(num_seqs), num_computed=np.arange(num_seqs, dtype=np.int32) + 5,
+                    query_lens=np.ones(num_seqs, dtype=np.int32), input_ids=np.arange(num_seqs, dtype=np.int32) + 40,
+                    sample=np.ones(num_seqs, dtype=bool))
+    tables = np.arange(num_seqs * 3, dtype=np.int32).reshape(num_seqs, 3) + 1
+    return build_host_batch(plan, tables, block_size=4)
+
+
+def as_lists(batch):
+    a = batch.attn
+    return [t.tolist() for t in (batch.input_ids, batch.positions, a.slot_mapping, a.cu_seqlens_q, a.seq_lens,
+                                 a.block_tables, batch.logits_indices)] + [a.max_query_len, a.max_seq_len, a.is_decode]
+
+
+def test_load_matches_a_fresh_copy_and_reuses_the_same_memory():
+    buffers = InputBuffers(max_tokens=16, max_seqs=4, max_blocks=3, block_size=4, device=CPU)
+    host = mixed_host()
+    first = buffers.load(host)
+    assert as_lists(first) == as_lists(to_device(host, 4, CPU))
+    second = buffers.load(decode_host(2))
+    assert second.input_ids.data_ptr() == first.input_ids.data_ptr()
+    assert second.attn.block_tables.data_ptr() == first.attn.block_tables.data_ptr()
+    assert second.input_ids.tolist() == [40, 41] and second.attn.seq_lens.tolist() == [6, 7]
+
+
+def test_padded_decode_rows_store_nothing_and_read_nothing():
+    buffers = InputBuffers(max_tokens=16, max_seqs=8, max_blocks=3, block_size=4, device=CPU)
+    buffers.load(mixed_host())  # leaves other values behind in the rows that padding reuses
+    batch = buffers.load(decode_host(3), rows=8)
+    a = batch.attn
+    assert batch.input_ids.shape == (8,) and a.block_tables.shape == (8, 3)
+    assert a.slot_mapping[3:].tolist() == [-1] * 5 and a.seq_lens[3:].tolist() == [0] * 5
+    assert a.cu_seqlens_q.tolist() == list(range(9))
+    assert batch.logits_indices.tolist() == [0, 1, 2] and a.is_decode
+
+
+def test_only_decode_batches_pad_and_capacity_is_checked():
+    buffers = InputBuffers(max_tokens=6, max_seqs=4, max_blocks=3, block_size=4, device=CPU)
+    with pytest.raises(ValueError, match="only a decode batch can be padded"):
+        buffers.load(mixed_host(), rows=4)
+    assert not buffers.fits(mixed_host())  # 8 tokens > 6
+    assert buffers.fits(decode_host(4)) and not buffers.fits(decode_host(5))

@@ -1,0 +1,29 @@
+import pytest
+
+from spmd_engine.step_timing import PHASES, StepTimer
+
+
+def phases(**values):
+    return {p: values.get(p, 0.0) for p in PHASES}
+
+
+def test_summary_splits_decode_and_prefill_and_the_full_batch():
+    timer = StepTimer()
+    timer.add(2, 900, False, **phases(schedule=0.001, forward=0.009))
+    timer.add(4, 4, True, **phases(schedule=0.001, broadcast=0.0005, inputs=0.0005, sample=0.008))
+    timer.add(4, 4, True, **phases(schedule=0.001, broadcast=0.0005, inputs=0.0005, sample=0.008))
+    timer.add(1, 1, True, **phases(sample=0.002))
+    s = timer.summary()
+    assert s["steps"] == 4 and s["all"]["steps"] == 4
+    assert s["prefill_or_mixed"]["step_ms"] == pytest.approx(10.0)
+    full = s["decode_max_batch"]
+    assert full["steps"] == 2 and full["mean_seqs"] == 4
+    assert full["step_ms"] == pytest.approx(10.0) and full["host_plan_ms"] == pytest.approx(2.0)
+    assert full["host_plan_fraction"] == pytest.approx(0.2)
+    assert s["decode"]["steps"] == 3
+
+
+def test_every_phase_is_required():
+    with pytest.raises(ValueError, match="exactly the phases"):
+        StepTimer().add(1, 1, True, schedule=0.1)
+    assert StepTimer().summary() == {"steps": 0}
