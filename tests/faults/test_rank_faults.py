@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import time
 from pathlib import Path
 
-from tests.faults.launches import Launch, finish, outputs_rows, start_plain, start_torchrun
+from tests.faults.launches import Launch, finish, outputs_rows, start_plain, start_torchrun, wait_for_rows
 
 FAULT_STEP = 5  # with max_num_seqs=1 and max_tokens=2, requests 0 and 1 finish at steps 1 and 3
 TIMEOUT_S = 8  # dist_timeout_s: also how long a hang takes to be found
@@ -27,10 +28,10 @@ CASES = {  # name -> (launcher, rank, kind, the one error line (regex), the proc
 }
 
 
-def fault_args(ckpt: Path, prompts: Path, job_dir: Path, rank: int, kind: str) -> list[str]:
+def fault_args(ckpt: Path, prompts: Path, job_dir: Path, rank: int, kind: str, timeout_s: int = TIMEOUT_S) -> list[str]:
     return ["model=qwen3", f"model.path={ckpt}", f"prompts_file={prompts}", "device=cpu", "dtype=float32",
             "sampling.temperature=0", "sampling.max_tokens=2", "sampling.ignore_eos=true", "max_num_seqs=1",
-            "num_kv_blocks=64", "max_model_len=64", f"dist_timeout_s={TIMEOUT_S}", "log_level=WARNING",
+            "num_kv_blocks=64", "max_model_len=64", f"dist_timeout_s={timeout_s}", "log_level=WARNING",
             f"hydra.run.dir={job_dir}", f"+fault.rank={rank}", f"+fault.step={FAULT_STEP}", f"+fault.kind={kind}"]
 
 
@@ -43,7 +44,15 @@ def test_every_rank_stops_and_one_line_says_who_and_why(fault_ckpt: Path, tmp_pa
         args = fault_args(fault_ckpt, prompts, tmp_path / name, rank, kind)
         start = start_plain if launcher == "plain" else start_torchrun
         launches[name] = start(name, args, tmp_path)
-    finish(list(launches.values()), timeout_s=150)
+    # a frozen rank (SIGSTOP: its sockets stay open, so no collective ever fails) is found by its heartbeat
+    frozen_args = fault_args(fault_ckpt, prompts, tmp_path / "plain-freeze1", 1, "hang", timeout_s=60)
+    frozen = start_plain("plain-freeze1", frozen_args, tmp_path)
+    wait_for_rows(tmp_path / "plain-freeze1", 2, frozen, timeout_s=150)
+    frozen.procs[1].popen.send_signal(signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    finish([Launch("frozen-rank0", frozen.procs[:1])], timeout_s=60)
+    frozen.procs[1].popen.kill()
+    finish(list(launches.values()) + [frozen], timeout_s=150)
 
     for name, (launcher, rank, kind, expected, printer) in CASES.items():
         launch = launches[name]
@@ -60,3 +69,9 @@ def test_every_rank_stops_and_one_line_says_who_and_why(fault_ckpt: Path, tmp_pa
         assert len(lines) == 1 and re.fullmatch("error: " + expected, lines[0]), f"{name}: {lines}\n{launch.describe()}"
         rows = outputs_rows(tmp_path / name)
         assert [r["index"] for r in rows][:2] == [0, 1] and all(len(r["token_ids"]) == 2 for r in rows), (name, rows)
+
+    assert frozen.returncodes == [1, -9], frozen.describe()
+    assert frozen.procs[0].ended - stopped_at < 15, frozen.describe()  # ~1 s slow step + 5 s silence + grace
+    lines = frozen.error_lines()
+    assert len(lines) == 1 and re.fullmatch(rf"error: rank 1 stopped at step \d+ {re.escape(SILENT)}", lines[0]), \
+        frozen.describe()
