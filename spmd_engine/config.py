@@ -60,7 +60,8 @@ class EngineConfig:
     dtype: str = "auto"
     seed: int = 0
     tensor_parallel_size: int | None = None
-    dist_timeout_s: float = 60.0
+    dist_timeout_s: float = 45.0
+    startup_timeout_s: float = 600.0
     log_level: str = "INFO"
     fault: dict[str, Any] | None = None  # test-only fault injection (see spmd_engine/faults.py)
 
@@ -89,6 +90,7 @@ class EngineConfig:
                f"tensor_parallel_size={self.tensor_parallel_size} must equal the number of ranks "
                f"({world_size}); launch with torchrun --nproc_per_node={self.tensor_parallel_size}")
         _check(self.dist_timeout_s > 0, f"dist_timeout_s must be > 0, got {self.dist_timeout_s}")
+        _check(self.startup_timeout_s > 0, f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")
         _check(not (self.prompts is not None and self.prompts_file is not None),
                "give either prompts or prompts_file, not both")
         _check(self.workload.name in ("chat", "bench"), f"workload must be chat or bench, got {self.workload.name!r}")

@@ -10,6 +10,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+# below this, logits / temperature overflow float32: such rows are greedy (their limit anyway)
+MIN_TEMPERATURE = 1e-5
+
 
 @dataclass
 class SamplingRow:
@@ -47,7 +50,7 @@ class Sampler:
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> np.ndarray:
         """logits [N, V] float32 -> token ids [N] (numpy int64)."""
-        random_rows = [i for i, r in enumerate(rows) if r.temperature > 0]
+        random_rows = [i for i, r in enumerate(rows) if r.temperature >= MIN_TEMPERATURE]
         if not random_rows:
             return logits.argmax(dim=-1).cpu().numpy()
         every_row = len(random_rows) == len(rows)

@@ -81,3 +81,9 @@ def test_seeded_nucleus_rows_are_reproducible_across_batches():
     batch = torch.cat([torch.randn(2, 200), logits])
     together = Sampler(torch.device("cpu"), 9).sample(batch, [row(1, p=0.9), row(2, p=0.5), row(7, p=0.9, seed=5)])
     assert together[2] == alone
+
+
+def test_vanishing_temperature_is_greedy_not_nan():
+    logits = torch.randn(6, 40)
+    out = Sampler(torch.device("cpu"), 0).sample(logits, [row(i, t=1e-300) for i in range(6)])
+    assert np.array_equal(out, logits.argmax(-1).numpy())
