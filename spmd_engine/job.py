@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from spmd_engine.config import ConfigError, EngineConfig, engine_config_from_dict
-from spmd_engine.distributed import RankInfo, init_process_group
+from spmd_engine.distributed import RankInfo, all_reduce_min, init_process_group
 from spmd_engine.engine import LLM, agreed
 from spmd_engine.error_line import report_error
 from spmd_engine.metrics import summarize, write_metrics
@@ -66,6 +66,7 @@ def run_job(raw_cfg: dict[str, Any], overrides: list[str], ranks: RankInfo, outp
             report_error(str(exc))
         if not multirun:
             _write(metrics, raw_cfg, ranks, output_dir, started)
+            all_reduce_min(0)  # every rank agreed on this error: leave together, after rank 0 wrote its files
             raise SystemExit(EXIT_USER_ERROR)
     except Exception as exc:
         if ranks.world_size > 1:
