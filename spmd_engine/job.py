@@ -135,6 +135,7 @@ def _generate(llm: LLM, cfg: EngineConfig, ranks: RankInfo, output_dir: Path | N
              stats["output_tokens_per_s"], stats["ttft"].get("p50_ms", 0.0), stats["itl"].get("p50_ms", 0.0))
     stats["kv_capacity"] = llm.kv_capacity.as_dict()
     stats["max_model_len"] = llm.max_model_len
+    stats["engine"] = llm.last_run  # steps, decode steps, preemptions, prefix-cache tokens, step timing
     if cfg.workload.name == "bench":
         from spmd_engine.bench_report import bench_report
         stats["bench"] = bench_report(llm, outputs, wall)
