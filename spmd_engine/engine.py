@@ -20,7 +20,7 @@ from spmd_engine.block_manager import BlockManager
 from spmd_engine.config import ConfigError, EngineConfig
 from spmd_engine.distributed import RankInfo, broadcast_object, gather_errors
 from spmd_engine.faults import FaultInjector
-from spmd_engine.kv_cache import KVCacheSpec, blocks_for_bytes
+from spmd_engine.kv_cache import KVCacheSpec, planned_num_blocks
 from spmd_engine.metrics import KVCapacity
 from spmd_engine.model_runner import ModelRunner, RunnerSettings
 from spmd_engine.model_source import ModelSource, resolve_model_source
@@ -173,12 +173,10 @@ class LLM:
     def _check_planned_kv_capacity(self) -> None:
         """A fixed num_kv_blocks or a CPU GiB budget sizes the pool without the model; CUDA measures later."""
         cfg = self.cfg
-        if cfg.num_kv_blocks is not None:
-            self._check_kv_capacity(cfg.num_kv_blocks)
-        elif self.device.type == "cpu":
-            spec = KVCacheSpec(self.shape.num_layers, self.shape.kv_heads_per_rank(self.ranks.world_size),
-                               self.shape.head_dim, cfg.block_size, self.dtype)
-            self._check_kv_capacity(blocks_for_bytes(spec, cfg.cpu_kv_cache_gib * (1 << 30)))
+        spec = KVCacheSpec.for_model(self.shape, self.ranks.world_size, cfg.block_size, self.dtype)
+        planned = planned_num_blocks(spec, cfg.num_kv_blocks, cfg.cpu_kv_cache_gib, self.device)
+        if planned is not None:
+            self._check_kv_capacity(planned)
 
     def _check_kv_capacity(self, num_blocks: int) -> None:
         tokens = num_blocks * self.cfg.block_size

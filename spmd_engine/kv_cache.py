@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from models.model_config import ModelShape
+
 
 @dataclass(frozen=True)
 class KVCacheSpec:
@@ -17,6 +19,10 @@ class KVCacheSpec:
     head_dim: int
     block_size: int
     dtype: torch.dtype
+
+    @classmethod
+    def for_model(cls, shape: ModelShape, tp_size: int, block_size: int, dtype: torch.dtype) -> "KVCacheSpec":
+        return cls(shape.num_layers, shape.kv_heads_per_rank(tp_size), shape.head_dim, block_size, dtype)
 
     @property
     def bytes_per_block(self) -> int:
@@ -54,6 +60,16 @@ class CudaMemoryBudget:
 
 def blocks_for_bytes(spec: KVCacheSpec, num_bytes: float) -> int:
     return max(0, int(num_bytes // spec.bytes_per_block))
+
+
+def planned_num_blocks(spec: KVCacheSpec, num_kv_blocks: int | None, cpu_kv_cache_gib: float,
+                       device: torch.device) -> int | None:
+    """The pool size known without running the model: fixed, or the CPU budget; None on CUDA (measured)."""
+    if num_kv_blocks is not None:
+        return num_kv_blocks
+    if device.type != "cuda":
+        return blocks_for_bytes(spec, cpu_kv_cache_gib * (1 << 30))
+    return None
 
 
 def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -18,7 +18,7 @@ from spmd_engine.distributed import all_reduce_min
 from spmd_engine.forward_batch import build_host_batch, to_device
 from spmd_engine.input_buffers import InputBuffers
 from spmd_engine.kv_cache import (CudaMemoryBudget, KVCacheSpec, allocate_kv_cache,
-                                  blocks_for_bytes)
+                                  blocks_for_bytes, planned_num_blocks)
 from spmd_engine.plan import BlockTableMirror, StepPlan
 
 log = logging.getLogger(__name__)
@@ -43,8 +43,7 @@ class ModelRunner:
         self.shape = shape
         self.settings = settings
         self.device = device
-        self.spec = KVCacheSpec(shape.num_layers, shape.kv_heads_per_rank(tp_size), shape.head_dim,
-                                settings.block_size, dtype)
+        self.spec = KVCacheSpec.for_model(shape, tp_size, settings.block_size, dtype)
         max_blocks = -(-settings.max_model_len // settings.block_size)
         self.use_graphs = (device.type == "cuda" and not settings.enforce_eager
                            and all(layer.backend == "triton" for layer in model.attention_layers()))
@@ -67,10 +66,9 @@ class ModelRunner:
     # --- sizing -------------------------------------------------------------------------
     def _fit_num_blocks(self) -> int:
         s = self.settings
-        if s.num_kv_blocks is not None:
-            return s.num_kv_blocks
-        if self.device.type != "cuda":
-            return blocks_for_bytes(self.spec, s.cpu_kv_cache_gib * (1 << 30))
+        planned = planned_num_blocks(self.spec, s.num_kv_blocks, s.cpu_kv_cache_gib, self.device)
+        if planned is not None:
+            return planned
         self.memory_budget = self._measure_cuda_budget()
         return blocks_for_bytes(self.spec, self.memory_budget.kv_bytes)
 

@@ -20,3 +20,12 @@ def test_blocks_and_allocation():
     assert blocks_for_bytes(spec, -5) == 0
     caches = allocate_kv_cache(spec, 3, torch.device("cpu"))
     assert len(caches) == 2 and caches[1][0].shape == (3, 8, 2, 4)
+
+
+def test_planned_blocks_fixed_then_cpu_budget_then_measured_on_cuda():
+    from spmd_engine.kv_cache import planned_num_blocks
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=4, block_size=8, dtype=torch.float16)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert planned_num_blocks(spec, 7, 1.0, cuda) == 7
+    assert planned_num_blocks(spec, None, 1.0, cpu) == (1 << 30) // spec.bytes_per_block
+    assert planned_num_blocks(spec, None, 1.0, cuda) is None
