@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks of docs/BENCHMARKS.md, in one call on an H200 machine (2 GPUs for tp).
 #   bash launch/gpu_check.sh [STAGE ...]
-#   stages: tests fused sampler qwen3 qwen3_p1 bs1 prefill tp sweep profile (default: all)
+#   stages: tests fused sampler qwen3 qwen3_p1 sync bs1 prefill tp tp_sync sweep profile (default: all)
 # Logs go to $OUT/log.txt (OUT defaults to ./gpu_check_out), every run's metrics.json to $OUT/metrics.tgz,
 # and a summary table is printed last (also $OUT/summary.txt). Each stage has its own time limit.
 set -uo pipefail
@@ -11,7 +11,7 @@ OUT=${OUT:-$PWD/gpu_check_out}
 WORK=${GPU_CHECK_WORK:-/tmp/gpu_check}
 mkdir -p "$OUT" "$WORK"
 LOG=$OUT/log.txt
-stages=${*:-tests fused sampler qwen3 qwen3_p1 bs1 prefill tp sweep profile}
+stages=${*:-tests fused sampler qwen3 qwen3_p1 sync bs1 prefill tp tp_sync sweep profile}
 TORCHRUN=(python -m torch.distributed.run --standalone --nproc_per_node=2)
 BENCH=(model.load_format=dummy workload=bench)
 
@@ -52,6 +52,11 @@ PY
       CUDA_VISIBLE_DEVICES=0 run qwen3 200 python run.py model=qwen3 "${BENCH[@]}" max_model_len=4096 ;;
     qwen3_p1)
       CUDA_VISIBLE_DEVICES=0 run qwen3_p1 200 python run.py model=qwen3 "${BENCH[@]}" max_model_len=4096 sampling.top_p=1.0 ;;
+    sync)  # the same runs as qwen3_p1 and bs1, planning each step only after the last one's tokens
+      CUDA_VISIBLE_DEVICES=0 run qwen3_p1_sync 200 python run.py model=qwen3 "${BENCH[@]}" max_model_len=4096 \
+        sampling.top_p=1.0 async_scheduling=false
+      CUDA_VISIBLE_DEVICES=0 run bs1_sync 120 python run.py model=qwen3 "${BENCH[@]}" workload.num_seqs=1 \
+        async_scheduling=false ;;
     bs1)
       CUDA_VISIBLE_DEVICES=0 run bs1 120 python run.py model=qwen3 "${BENCH[@]}" workload.num_seqs=1 ;;
     prefill)
@@ -60,6 +65,9 @@ PY
     tp)
       CUDA_VISIBLE_DEVICES=0 run q8b_tp1 240 python run.py model=qwen3_8b "${BENCH[@]}"
       run q8b_tp2 240 "${TORCHRUN[@]}" run.py model=qwen3_8b "${BENCH[@]}" ;;
+    tp_sync)
+      run q8b_tp2_sync 240 "${TORCHRUN[@]}" run.py model=qwen3_8b "${BENCH[@]}" async_scheduling=false
+      run q8b_tp2_model_reduce 240 "${TORCHRUN[@]}" run.py model=qwen3_8b "${BENCH[@]}" tp_reduce_dtype=model ;;
     sweep)
       note "sweep: block_size=16,32,256 x gpu_memory_utilization=0.5,0.9"
       CUDA_VISIBLE_DEVICES=0 timeout -k 10 420 python run.py -m block_size=16,32,256 gpu_memory_utilization=0.5,0.9 \
@@ -128,11 +136,15 @@ for path in sorted(Path(sys.argv[1]).glob("**/metrics.json")):
                  f(get(m, "ttft", "p50_ms")), f(get(m, "itl", "p50_ms"), "{:.2f}"), f(get(m, "itl", "p90_ms"), "{:.2f}"),
                  f(b.get("fraction_of_floor"), "{:.2f}"), f(t.get("mean_seqs"), "{:.0f}"), f(t.get("step_ms"), "{:.2f}"),
                  f(t.get("schedule_ms"), "{:.2f}"), f(t.get("broadcast_ms"), "{:.2f}"), f(t.get("inputs_ms"), "{:.2f}"),
-                 f(t.get("sample_ms"), "{:.2f}"), f(t.get("postprocess_ms"), "{:.2f}"),
-                 f(100 * t["host_plan_fraction"] if "host_plan_fraction" in t else None), str(get(m, "kv_capacity", "blocks")),
+                 f(t.get("sample_ms"), "{:.2f}"), f(t.get("wait_ms"), "{:.2f}"), f(t.get("postprocess_ms"), "{:.2f}"),
+                 f(100 * t["host_plan_fraction"] if "host_plan_fraction" in t else None),
+                 f(t.get("gpu_idle_ms"), "{:.2f}"),
+                 f(100 * t["gpu_idle_fraction"] if "gpu_idle_fraction" in t else None),
+                 str(get(m, "kv_capacity", "blocks")),
                  (m.get("error") or "")[:60]])
 head = ["run", "status", "out tok/s", "prompt tok/s", "wall s", "TTFT p50", "ITL p50", "ITL p90", "floor frac",
-        "B", "step ms", "sched", "bcast", "inputs", "sample", "post", "plan %", "KV blocks", "error"]
+        "B", "step ms", "sched", "bcast", "inputs", "sample", "wait", "post", "plan %", "GPU idle", "idle %",
+        "KV blocks", "error"]
 widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
 for r in [head] + rows:
     print("  ".join(str(c).rjust(w) for c, w in zip(r, widths)))

@@ -14,24 +14,32 @@ from torch.distributed import ProcessGroup
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """Position of this process inside its tensor-parallel group (group=None: the default group)."""
+    """Position of this process inside its tensor-parallel group (group=None: the default group).
+
+    `reduce_dtype`: the dtype in which row-parallel layers sum their partial products. None sums
+    in the activation dtype; float32 rounds a bf16/fp16 result once, after the sum, as one rank
+    does, instead of once per rank and again after the sum (see RowParallelLinear).
+    """
 
     rank: int
     world_size: int
     group: ProcessGroup | None = None
+    reduce_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise ValueError(f"tensor-parallel rank must be in [0, {self.world_size}), got {self.rank}")
+        if self.reduce_dtype not in (None, torch.float32):
+            raise ValueError(f"tensor-parallel reduce_dtype must be None or torch.float32, got {self.reduce_dtype}")
 
     @classmethod
     def single(cls) -> TensorParallel:
         return cls(rank=0, world_size=1, group=None)
 
     @classmethod
-    def from_default_group(cls) -> TensorParallel:
+    def from_default_group(cls, reduce_dtype: torch.dtype | None = None) -> TensorParallel:
         """Every rank of the initialised default process group in one tensor-parallel group."""
-        return cls(rank=dist.get_rank(), world_size=dist.get_world_size(), group=None)
+        return cls(rank=dist.get_rank(), world_size=dist.get_world_size(), group=None, reduce_dtype=reduce_dtype)
 
     @property
     def is_first(self) -> bool:

@@ -75,10 +75,13 @@ def bench_report(llm, outputs, wall_s: float) -> dict:
     for kind in ("decode_max_batch", "decode", "prefill_or_mixed"):
         row = timing.get(kind)
         if row:
-            log.info("bench %s steps: %d x %.2f ms (%.0f seqs): schedule %.3f, broadcast %.3f, inputs %.3f, "
-                     "forward %.3f, sample %.3f, postprocess %.3f ms; host plan work %.1f%%", kind, row["steps"],
-                     row["step_ms"], row["mean_seqs"], row["schedule_ms"], row["broadcast_ms"], row["inputs_ms"],
-                     row["forward_ms"], row["sample_ms"], row["postprocess_ms"], 100 * row["host_plan_fraction"])
+            idle = (f"; GPU idle {row['gpu_idle_ms']:.3f} ms ({100 * row['gpu_idle_fraction']:.1f}%)"
+                    if "gpu_idle_ms" in row else "")
+            log.info("bench %s steps: %d x %.2f ms (%.0f seqs): wait %.3f, postprocess %.3f, schedule %.3f, "
+                     "broadcast %.3f, inputs %.3f, sample %.3f, forward %.3f ms; host plan work %.1f%%%s", kind,
+                     row["steps"], row["step_ms"], row["mean_seqs"], row["wait_ms"], row["postprocess_ms"],
+                     row["schedule_ms"], row["broadcast_ms"], row["inputs_ms"], row["sample_ms"], row["forward_ms"],
+                     100 * row["host_plan_fraction"], idle)
     return report
 
 

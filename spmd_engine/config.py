@@ -55,9 +55,11 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    async_scheduling: bool = True
     attention_backend: str = "auto"
     device: str = "auto"
     dtype: str = "auto"
+    tp_reduce_dtype: str = "float32"  # float32 | model: dtype of the row-parallel all-reduce sums
     seed: int = 0
     tensor_parallel_size: int | None = None
     dist_timeout_s: float = 45.0
@@ -84,6 +86,8 @@ class EngineConfig:
         _check(self.device in ("auto", "cuda", "cpu"), f"device must be one of auto|cuda|cpu, got {self.device!r}")
         _check(self.dtype in ("auto", "bfloat16", "float16", "float32"),
                f"dtype must be one of auto|bfloat16|float16|float32, got {self.dtype!r}")
+        _check(self.tp_reduce_dtype in ("float32", "model"),
+               f"tp_reduce_dtype must be one of float32|model, got {self.tp_reduce_dtype!r}")
         _check(self.model.load_format in ("auto", "dummy"),
                f"model.load_format must be auto or dummy, got {self.model.load_format!r}")
         _check(self.tensor_parallel_size in (None, world_size),

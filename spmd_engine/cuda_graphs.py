@@ -97,15 +97,19 @@ class DecodeGraphs:
     def padded_size(self, num_seqs: int) -> int:
         return self.sizes[bisect.bisect_left(self.sizes, num_seqs)]
 
-    def run(self, host: HostBatch) -> torch.Tensor | None:
-        """Replay the smallest graph that holds the batch; logits of the sampled rows on tp rank 0.
-
-        The logits are a view of the graph's static output: valid until the next replay.
-        """
+    def stage(self, host: HostBatch) -> tuple[int, ForwardBatch]:
+        """Copy the batch into the captured buffers, padded to the smallest graph that holds it."""
         started = time.perf_counter()
         rows = self.padded_size(host.num_seqs)
         batch = self.buffers.load(host, rows=rows)
         self.last_stage_s = time.perf_counter() - started
+        return rows, batch
+
+    def replay(self, rows: int, host: HostBatch, batch: ForwardBatch) -> torch.Tensor | None:
+        """Replay graph `rows`; logits of the sampled rows on tp rank 0.
+
+        The logits are a view of the graph's static output: valid until the next replay.
+        """
         captured = self.graphs[rows]
         captured.graph.replay()
         self.num_replays += 1

@@ -110,6 +110,13 @@ def broadcast_object(obj: object, src: int = 0) -> object:
     return box[0]
 
 
+def broadcast_tensor(t: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """Broadcast a tensor in place from `src` (a CUDA tensor over NCCL: queued, the host goes on)."""
+    if is_distributed():
+        dist.broadcast(t, src=src)
+    return t
+
+
 def gather_errors(error: str | None) -> list[tuple[int, str]]:
     """Every rank's error (or None), so all ranks can agree to stop before heavy work."""
     if not is_distributed():

@@ -3,16 +3,22 @@
 Every rank constructs an LLM and calls `generate` with the same arguments. Rank 0 schedules,
 broadcasts one StepPlan per step, samples and post-processes; the other ranks follow the plans
 until the stop plan. The data path of one step, in order:
-scheduler.schedule -> PlanBuilder.build -> broadcast -> ModelRunner.execute -> Sampler.sample
+scheduler.schedule -> PlanBuilder.build -> broadcast -> ModelRunner.stage/launch -> Sampler
 -> Scheduler.postprocess.
+
+With async_scheduling (the default) rank 0 runs that path one step ahead of the GPU: while step N
+runs it post-processes step N-1's tokens and plans, sends and stages step N+1; step N+1 takes the
+tokens step N samples straight from the device, so the GPU never waits for the host's planning.
 """
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from models.model_config import ModelShape
@@ -20,6 +26,7 @@ from spmd_engine.block_manager import BlockManager
 from spmd_engine.config import ConfigError, EngineConfig
 from spmd_engine.distributed import RankInfo, broadcast_object, gather_errors
 from spmd_engine.faults import FaultInjector
+from spmd_engine.gpu_timeline import GpuTimeline
 from spmd_engine.kv_cache import KVCacheSpec, planned_num_blocks
 from spmd_engine.metrics import KVCapacity
 from spmd_engine.model_runner import ModelRunner, RunnerSettings
@@ -30,9 +37,10 @@ from spmd_engine.preflight import check_checkpoint_files
 from spmd_engine.progress import StepProgress
 from spmd_engine.prompts import PromptRequest, validate_prompt
 from spmd_engine.sampler import Sampler, SamplingRow
-from spmd_engine.scheduler import Scheduler, SchedulerConfig
+from spmd_engine.scheduler import ScheduleOutput, Scheduler, SchedulerConfig
 from spmd_engine.sequence import SamplingParams, Sequence
 from spmd_engine.step_timing import StepTimer
+from spmd_engine.token_readback import TokenReadback
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +133,8 @@ class LLM:
         backend = agreed(lambda: resolve_backend(cfg.attention_backend, self.device, cfg.block_size,
                                                  self.shape.head_dim))
         agreed(self._check_planned_kv_capacity)  # before the weights load: a too-small pool fails fast
-        tp = TensorParallel.from_default_group() if ranks.world_size > 1 else TensorParallel.single()
+        tp = (TensorParallel.from_default_group(torch.float32 if cfg.tp_reduce_dtype == "float32" else None)
+              if ranks.world_size > 1 else TensorParallel.single())
 
         started = time.perf_counter()
         previous_dtype = torch.get_default_dtype()
@@ -263,42 +272,62 @@ class _Generation:
         self.start = time.perf_counter()
         for seq_id, req in enumerate(self.requests):
             self._admit(seq_id, req)
-        bar = _progress_bar(len(self.live), self.progress)
+        self.bar = _progress_bar(len(self.live), self.progress)
         steps = decode_steps = 0
         timer = StepTimer()
-        while self.scheduler.has_unfinished():
+        timeline = GpuTimeline(llm.device.type == "cuda")
+        launched: _Launched | None = None  # forward queued, logits not sampled yet
+        sampled: _Sampled | None = None  # tokens sampled on the device, not yet on the host
+        while True:
             llm.step_progress.step(llm.step)
             t0 = time.perf_counter()
-            schedule = self.scheduler.schedule()
-            if schedule.is_empty:
-                raise RuntimeError("scheduler made no progress (no sequence fits the KV pool)")
-            plan = self.builder.build(schedule, llm.step)
+            tokens = sampled.host_tokens() if sampled is not None else None  # waits for the GPU
             t1 = time.perf_counter()
-            broadcast_object(plan)
+            if sampled is not None:
+                self._postprocess(sampled, tokens)
+                sampled = None
             t2 = time.perf_counter()
+            if launched is None and not self.scheduler.has_unfinished():
+                break
+            schedule = self.scheduler.schedule()
+            if schedule.is_empty:  # every running sequence waits for the step in flight
+                if launched is None:
+                    raise RuntimeError("scheduler made no progress (no sequence fits the KV pool)")
+                sampled, launched = self._sample(launched, timeline), None
+                continue
+            plan = self.builder.build(schedule, llm.step)
+            t3 = time.perf_counter()
+            broadcast_object(plan)
+            t4 = time.perf_counter()
+            staged = llm.runner.stage(plan)
+            t5 = time.perf_counter()
+            if launched is not None:  # the step in flight: its tokens are this plan's deferred inputs
+                sampled, launched = self._sample(launched, timeline), None
+            t6 = time.perf_counter()
+            llm.faults.before_step(plan.step)
+            timeline.mark(steps, "forward_start")
+            logits = llm.runner.launch(staged, sampled.tokens if sampled is not None else None)
+            timeline.mark(steps, "forward_end")
+            llm.step_progress.forward_issued()
+            launched = _Launched(schedule, logits, steps)
+            t7 = time.perf_counter()
+            if not self.llm.cfg.async_scheduling:
+                sampled, launched = self._sample(launched, timeline), None
+            t8 = time.perf_counter()
             steps += 1
             decode_steps += int(plan.is_decode)
-            llm.faults.before_step(plan.step)
-            logits = llm.runner.execute(plan)
-            llm.step_progress.forward_issued()
-            t3 = time.perf_counter()
-            sampled = self._sample(schedule, logits)
-            t4 = time.perf_counter()
-            for seq in self.scheduler.postprocess(schedule, sampled):
-                self._finish(seq)
-                bar.update(1)
             llm.step += 1
-            inputs = llm.runner.last_input_s
-            timer.add(plan.num_seqs, plan.num_tokens, plan.is_decode, schedule=t1 - t0, broadcast=t2 - t1,
-                      inputs=inputs, forward=t3 - t2 - inputs, sample=t4 - t3,
-                      postprocess=time.perf_counter() - t4)
+            timer.add(plan.num_seqs, plan.num_tokens, plan.is_decode, wait=t1 - t0, postprocess=t2 - t1,
+                      schedule=t3 - t2, broadcast=t4 - t3, inputs=t5 - t4, sample=t6 - t5 + t8 - t7,
+                      forward=t7 - t6)
         stop = self.builder.stop_plan(llm.step)
         broadcast_object(stop)
         llm.runner.mirror.apply(stop)
         llm.step_progress.idle()
-        bar.close()
+        self.bar.close()
+        timer.set_gpu_idle(timeline.idle_ms())
         cached = sum(o.num_cached_tokens for o in self.outputs)
-        llm.last_run = {"steps": steps, "decode_steps": decode_steps,
+        llm.last_run = {"steps": steps, "decode_steps": decode_steps, "async_scheduling": llm.cfg.async_scheduling,
                         "preemptions": self.scheduler.num_preemptions, "cached_prompt_tokens": cached,
                         "step_timing": timer.summary()}
         log.info("generate: %d steps (%d decode), %d preemptions, %d prompt tokens from the prefix cache",
@@ -306,20 +335,35 @@ class _Generation:
         self.outputs.sort(key=lambda o: o.index)
         return self.outputs
 
-    def _sample(self, schedule, logits: torch.Tensor | None) -> dict[int, int]:
+    def _sample(self, launched: _Launched, timeline: GpuTimeline) -> _Sampled:
+        """Queue sampling of a launched step's logits and the copy of its tokens to the host."""
+        schedule = launched.schedule
         seqs = [s for s, flag in zip(schedule.seqs, schedule.sample) if flag]
         if not seqs:
-            return {}
-        rows = [SamplingRow(s.seq_id, s.params.temperature, s.params.top_p, s.params.top_k, s.params.seed)
-                for s in seqs]
-        tokens = self.sampler.sample(logits, rows)
+            return _Sampled(schedule, [], None, None)
+        # a sequence that finished meanwhile was sampled speculatively: its token is dropped, so it
+        # must not draw from (or create) its own seeded generator
+        rows = [SamplingRow(s.seq_id, s.params.temperature, s.params.top_p, s.params.top_k,
+                            None if s.is_finished else s.params.seed) for s in seqs]
+        timeline.mark(launched.index, "sample_start")
+        tokens = self.sampler.sample_on_device(launched.logits, rows)
+        timeline.mark(launched.index, "sample_end")
+        return _Sampled(schedule, seqs, tokens, TokenReadback(tokens))
+
+    def _postprocess(self, sampled: _Sampled, tokens: np.ndarray) -> None:
         now = time.perf_counter() - self.start
-        for seq in seqs:
+        by_seq: dict[int, int] = {}
+        for seq, token in zip(sampled.seqs, tokens):
+            if seq.is_finished:
+                continue
             out = self.live[seq.seq_id][1]
             if out.first_token_time is None:
                 out.first_token_time = now
             out.token_times.append(now)
-        return {s.seq_id: int(t) for s, t in zip(seqs, tokens)}
+            by_seq[seq.seq_id] = int(token)
+        for seq in self.scheduler.postprocess(sampled.schedule, by_seq):
+            self._finish(seq)
+            self.bar.update(1)
 
     def _finish(self, seq: Sequence) -> None:
         _, out = self.live.pop(seq.seq_id)
@@ -330,6 +374,29 @@ class _Generation:
         out.num_cached_tokens = seq.num_cached_tokens
         out.text = self.decode(out.token_ids) if self.decode else None
         self.on_finish(out)
+
+
+@dataclass
+class _Launched:
+    """A step whose forward is queued; its logits are valid until the next launch."""
+
+    schedule: ScheduleOutput
+    logits: torch.Tensor | None
+    index: int  # step number within this generate call
+
+
+@dataclass
+class _Sampled:
+    """A step whose tokens are sampled on the device and on their way to the host."""
+
+    schedule: ScheduleOutput
+    seqs: list[Sequence]  # the sampled rows, in order
+    tokens: torch.Tensor | None  # [len(seqs)] on the device; None when the step sampled nothing
+    readback: TokenReadback | None
+
+    def host_tokens(self) -> np.ndarray:
+        """Waits for the GPU up to this step's sampling."""
+        return self.readback.numpy() if self.readback is not None else np.zeros(0, dtype=np.int64)
 
 
 def _progress_bar(total: int, enabled: bool):

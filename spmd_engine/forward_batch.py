@@ -5,7 +5,7 @@ array is copied to the device once.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -28,6 +28,9 @@ class HostBatch:
     max_query_len: int
     max_seq_len: int
     is_decode: bool
+    # inputs the previous step sampled (see StepPlan): filled on the device before the forward
+    deferred_positions: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [D] int64
+    deferred_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [D] int64
 
     @property
     def num_seqs(self) -> int:
@@ -44,6 +47,16 @@ class ForwardBatch:
     positions: torch.Tensor
     attn: AttentionMetadata
     logits_indices: torch.Tensor
+    deferred_positions: torch.Tensor  # [D] int64, into input_ids
+    deferred_rows: torch.Tensor  # [D] int64, into the previous step's sampled tokens
+
+    def fill_deferred(self, prev_tokens: torch.Tensor | None) -> None:
+        """Write the previous step's sampled tokens into the inputs waiting for them (no host sync)."""
+        if self.deferred_positions.numel() == 0:
+            return
+        if prev_tokens is None:
+            raise RuntimeError("the plan defers inputs to the previous step's tokens, but none were given")
+        self.input_ids.index_copy_(0, self.deferred_positions, prev_tokens.index_select(0, self.deferred_rows))
 
 
 def build_host_batch(plan: StepPlan, block_tables: np.ndarray, block_size: int) -> HostBatch:
@@ -71,6 +84,8 @@ def build_host_batch(plan: StepPlan, block_tables: np.ndarray, block_size: int) 
         max_query_len=int(q.max()) if len(q) else 0,
         max_seq_len=int(seq_lens.max()) if len(q) else 0,
         is_decode=plan.is_decode,
+        deferred_positions=plan.deferred_positions.astype(np.int64),
+        deferred_rows=plan.deferred_rows.astype(np.int64),
     )
 
 
@@ -92,6 +107,8 @@ def _decode_host_batch(plan: StepPlan, block_tables: np.ndarray, block_size: int
         max_query_len=1,
         max_seq_len=int(seq_lens.max()),
         is_decode=True,
+        deferred_positions=plan.deferred_positions.astype(np.int64),
+        deferred_rows=plan.deferred_rows.astype(np.int64),
     )
 
 
@@ -112,4 +129,5 @@ def to_device(host: HostBatch, block_size: int, device: torch.device) -> Forward
         block_size=block_size,
         is_decode=host.is_decode,
     )
-    return ForwardBatch(put(host.input_ids), put(host.positions), attn, put(host.logits_indices))
+    return ForwardBatch(put(host.input_ids), put(host.positions), attn, put(host.logits_indices),
+                        put(host.deferred_positions), put(host.deferred_rows))

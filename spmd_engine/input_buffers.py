@@ -34,6 +34,7 @@ class BufferField:
 def _layout(max_tokens: int, max_seqs: int, max_blocks: int) -> tuple[dict[str, BufferField], int]:
     specs = [("input_ids", torch.int64, max_tokens), ("positions", torch.int64, max_tokens),
              ("slot_mapping", torch.int64, max_tokens), ("logits_indices", torch.int64, max_seqs),
+             ("deferred_positions", torch.int64, max_seqs), ("deferred_rows", torch.int64, max_seqs),
              ("cu_seqlens_q", torch.int32, max_seqs + 1), ("seq_lens", torch.int32, max_seqs),
              ("block_tables", torch.int32, max_seqs * max_blocks)]
     fields, offset = {}, 0
@@ -65,6 +66,7 @@ class InputBuffers:
     def fits(self, host: HostBatch, rows: int | None = None) -> bool:
         rows = host.num_seqs if rows is None else rows
         return (host.num_tokens <= self.max_tokens and rows <= self.max_seqs and rows <= self.max_tokens
+                and len(host.deferred_positions) <= self.max_seqs
                 and host.block_tables.shape[1] == self.max_blocks)
 
     def load(self, host: HostBatch, rows: int | None = None) -> ForwardBatch:
@@ -89,6 +91,9 @@ class InputBuffers:
         a["block_tables"][:num_seqs] = host.block_tables
         num_logits = len(host.logits_indices)
         a["logits_indices"][:num_logits] = host.logits_indices
+        num_deferred = len(host.deferred_positions)
+        a["deferred_positions"][:num_deferred] = host.deferred_positions
+        a["deferred_rows"][:num_deferred] = host.deferred_rows
         if rows > num_seqs:
             a["input_ids"][num_tokens:tokens] = 0
             a["positions"][num_tokens:tokens] = 0
@@ -107,5 +112,6 @@ class InputBuffers:
             seq_lens=d["seq_lens"][:rows], block_tables=d["block_tables"][:rows],
             max_query_len=host.max_query_len, max_seq_len=host.max_seq_len, block_size=self.block_size,
             is_decode=host.is_decode)
-        return ForwardBatch(d["input_ids"][:tokens], d["positions"][:tokens], attn, d["logits_indices"][:num_logits])
+        return ForwardBatch(d["input_ids"][:tokens], d["positions"][:tokens], attn, d["logits_indices"][:num_logits],
+                            d["deferred_positions"][:num_deferred], d["deferred_rows"][:num_deferred])
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from models.model_config import ModelShape
-from spmd_engine.distributed import all_reduce_min
-from spmd_engine.forward_batch import build_host_batch, to_device
+from spmd_engine.distributed import all_reduce_min, broadcast_tensor, is_distributed
+from spmd_engine.forward_batch import ForwardBatch, HostBatch, build_host_batch, to_device
 from spmd_engine.input_buffers import InputBuffers
 from spmd_engine.kv_cache import (CudaMemoryBudget, KVCacheSpec, allocate_kv_cache,
                                   blocks_for_bytes, planned_num_blocks)
@@ -34,6 +34,16 @@ class RunnerSettings:
     gpu_memory_utilization: float
     cpu_kv_cache_gib: float
     num_kv_blocks: int | None
+
+
+@dataclass
+class StagedStep:
+    """A plan's inputs already on the device, waiting only for the previous step's sampled tokens."""
+
+    plan: StepPlan
+    host: HostBatch
+    batch: ForwardBatch
+    graph_rows: int | None  # the padded decode graph to replay; None: run eagerly
 
 
 class ModelRunner:
@@ -56,7 +66,8 @@ class ModelRunner:
         if device.type == "cuda":
             self.inputs = InputBuffers(max(settings.max_num_batched_tokens, settings.max_num_seqs),
                                        settings.max_num_seqs, max_blocks, settings.block_size, device)
-        self.last_input_s = 0.0  # host time of the last execute spent turning the plan into device inputs
+        self.last_input_s = 0.0  # host time of the last stage: the plan turned into device inputs
+        self.token_buffer: torch.Tensor | None = None  # the previous step's sampled tokens (ranks > 0)
         self.graphs = None
         # a pool smaller than one sequence is refused by the engine right after this; capture nothing
         if self.use_graphs and self.num_blocks * settings.block_size >= settings.max_model_len:
@@ -135,28 +146,58 @@ class ModelRunner:
 
     # --- the step -----------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> torch.Tensor | None:
-        """Run one planned step; logits [num_sampled, vocab] on rank 0, None elsewhere.
+    def execute(self, plan: StepPlan, prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Stage and launch one planned step (see `launch`)."""
+        return self.launch(self.stage(plan), prev_tokens)
 
-        Logits from a CUDA graph are a view of its static output: use them before the next step.
-        """
+    @torch.inference_mode()
+    def stage(self, plan: StepPlan) -> StagedStep:
+        """Turn the plan into device inputs; the copy is queued behind whatever the GPU is running."""
         started = time.perf_counter()
         tables = self.mirror.apply(plan)
         host = build_host_batch(plan, tables, self.settings.block_size)
         if self.graphs is not None and self.graphs.can_run(host):
-            built = time.perf_counter()
-            logits = self.graphs.run(host)
-            self.last_input_s = built - started + self.graphs.last_stage_s
-            return logits
-        if self.inputs is not None and self.inputs.fits(host):
-            batch = self.inputs.load(host)
+            rows, batch = self.graphs.stage(host)
+            staged = StagedStep(plan, host, batch, rows)
+        elif self.inputs is not None and self.inputs.fits(host):
+            staged = StagedStep(plan, host, self.inputs.load(host), None)
         else:
-            batch = to_device(host, self.settings.block_size, self.device)
+            staged = StagedStep(plan, host, to_device(host, self.settings.block_size, self.device), None)
         self.last_input_s = time.perf_counter() - started
+        return staged
+
+    @torch.inference_mode()
+    def launch(self, staged: StagedStep, prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Fill the deferred inputs and launch the forward; logits [num_sampled, vocab] on rank 0,
+        None elsewhere. `prev_tokens`: rank 0's tokens of the previous step (None on other ranks).
+
+        Logits from a CUDA graph are a view of its static output: use them before the next step.
+        """
+        batch, plan = staged.batch, staged.plan
+        if plan.num_prev_sampled:
+            staged.batch.fill_deferred(self._share_tokens(prev_tokens, plan.num_prev_sampled))
+        if staged.graph_rows is not None:
+            return self.graphs.replay(staged.graph_rows, staged.host, batch)
         hidden = self.model(batch.input_ids, batch.positions, batch.attn)
         if batch.logits_indices.numel() == 0:
             return None
         return self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
+
+    def _share_tokens(self, mine: torch.Tensor | None, count: int) -> torch.Tensor:
+        """The previous step's sampled tokens on every rank: rank 0 broadcasts them as a device tensor
+        (NCCL on GPU, queued like any kernel: the host never waits for them)."""
+        if not is_distributed():
+            if mine is None:
+                raise RuntimeError("a single rank must pass its own sampled tokens")
+            return mine
+        if self.token_buffer is None or self.token_buffer.numel() < count:
+            self.token_buffer = torch.zeros(max(count, self.settings.max_num_seqs), dtype=torch.int64,
+                                            device=self.device)
+        shared = self.token_buffer[:count]
+        if mine is not None:
+            shared.copy_(mine[:count])
+        broadcast_tensor(shared)
+        return shared
 
     def close(self) -> None:
         """Free CUDA graphs before the process group goes (NCCL hangs on destroy otherwise)."""

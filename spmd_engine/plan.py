@@ -4,6 +4,10 @@ Rank 0 builds one plan per step and broadcasts it with `broadcast_object_list`; 
 rank 0 included, turns the same plan into the same forward inputs. To stay small at large
 batches the plan carries block-table *deltas*: every rank keeps a `BlockTableMirror` that the
 plans update, so a decode step ships a few bytes per sequence instead of whole tables.
+
+With async scheduling a plan is built before the previous step's sampled tokens reach the host:
+those inputs are *deferred*, and every rank fills them on the device from the previous step's
+tokens (which rank 0 broadcasts as a tensor) right before the forward.
 """
 from __future__ import annotations
 
@@ -39,6 +43,11 @@ class StepPlan:
     new_block_counts: np.ndarray = field(default_factory=lambda: _empty(np.int32))  # [B] blocks appended
     new_block_ids: np.ndarray = field(default_factory=lambda: _empty(np.int32))  # [sum(new_block_counts)]
     dropped_seq_ids: np.ndarray = field(default_factory=lambda: _empty(np.int64))  # tables to forget
+    # inputs sampled by the previous step, not yet known on the host: input_ids[deferred_positions[i]]
+    # is that step's sampled token number deferred_rows[i] (of num_prev_sampled); input_ids holds 0 there
+    deferred_positions: np.ndarray = field(default_factory=lambda: _empty(np.int32))  # [D]
+    deferred_rows: np.ndarray = field(default_factory=lambda: _empty(np.int32))  # [D]
+    num_prev_sampled: int = 0
 
     @property
     def num_seqs(self) -> int:
@@ -63,6 +72,8 @@ class PlanBuilder:
 
     def __init__(self) -> None:
         self._sent: dict[int, int] = {}  # seq_id -> blocks the mirrors hold
+        self._sample_rows: dict[int, int] = {}  # seq_id -> its row in the last plan's sampled tokens
+        self._num_sampled = 0
 
     @property
     def num_tracked(self) -> int:
@@ -73,6 +84,7 @@ class PlanBuilder:
         that applies it is left empty for the next run)."""
         dropped = np.fromiter(self._sent, dtype=np.int64, count=len(self._sent))
         self._sent.clear()
+        self._sample_rows, self._num_sampled = {}, 0
         return StepPlan(step=step, command=COMMAND_STOP, dropped_seq_ids=dropped)
 
     def build(self, output: ScheduleOutput, step: int) -> StepPlan:
@@ -85,6 +97,8 @@ class PlanBuilder:
         counts = np.zeros(num, dtype=np.int32)
         new_ids: list[int] = []
         inputs: list[int] = []
+        deferred_positions: list[int] = []
+        deferred_rows: list[int] = []
         for b, (seq, start, n) in enumerate(
             zip(output.seqs, output.num_computed_before, output.num_new_tokens)
         ):
@@ -98,7 +112,20 @@ class PlanBuilder:
                 new_ids.extend(table[sent:])
                 counts[b] = len(table) - sent
             self._sent[seq.seq_id] = len(table)
-            inputs.extend(seq.token_ids[start : start + n])
+            known = seq.token_ids[start : start + n]
+            inputs.extend(known)
+            if len(known) < n:  # the last input is the token the previous step is sampling
+                row = self._sample_rows.get(seq.seq_id)
+                if len(known) != n - 1 or row is None:
+                    raise RuntimeError(f"seq {seq.seq_id}: {n - len(known)} unknown inputs, previous step "
+                                       f"sampled {'no' if row is None else 'one'} token for it")
+                deferred_positions.append(len(inputs))
+                deferred_rows.append(row)
+                inputs.append(0)
+        prev_sampled = self._num_sampled
+        sampled_ids = [s.seq_id for s, flag in zip(output.seqs, output.sample) if flag]
+        self._sample_rows = {sid: row for row, sid in enumerate(sampled_ids)}
+        self._num_sampled = len(sampled_ids)
 
         return StepPlan(
             step=step,
@@ -111,6 +138,9 @@ class PlanBuilder:
             new_block_counts=counts,
             new_block_ids=np.asarray(new_ids, dtype=np.int32),
             dropped_seq_ids=np.asarray(dropped, dtype=np.int64),
+            deferred_positions=np.asarray(deferred_positions, dtype=np.int32),
+            deferred_rows=np.asarray(deferred_rows, dtype=np.int32),
+            num_prev_sampled=prev_sampled if deferred_positions else 0,
         )
 
 

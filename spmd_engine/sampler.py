@@ -47,12 +47,17 @@ class Sampler:
             self._request_generators[row.seq_id] = gen
         return gen
 
-    @torch.inference_mode()
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> np.ndarray:
         """logits [N, V] float32 -> token ids [N] (numpy int64)."""
+        return self.sample_on_device(logits, rows).cpu().numpy()
+
+    @torch.inference_mode()
+    def sample_on_device(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """logits [N, V] -> token ids [N] int64 on the logits' device. Greedy and top-k/temperature
+        rows queue without waiting for the GPU; top-p rows wait (once per rejection round)."""
         random_rows = [i for i, r in enumerate(rows) if r.temperature >= MIN_TEMPERATURE]
         if not random_rows:
-            return logits.argmax(dim=-1).cpu().numpy()
+            return logits.argmax(dim=-1)
         every_row = len(random_rows) == len(rows)
         if every_row:  # the common case: no greedy rows to keep, no row selection
             sub = logits.float()
@@ -74,10 +79,10 @@ class Sampler:
         else:
             drawn = self._race(torch.softmax(sub, dim=-1), picked)
         if every_row:
-            return drawn.cpu().numpy()
+            return drawn
         out = logits.argmax(dim=-1)
         out[idx] = drawn
-        return out.cpu().numpy()
+        return out
 
     def _noise(self, like: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Exp(1) noise per row: seeded rows from their own generator, the rest from the engine's."""

@@ -3,6 +3,11 @@
 vLLM-v1 style unified steps: one step mixes decodes and (chunked) prefills; running sequences
 go first, then waiting ones are admitted FCFS; when KV blocks run out the most recently
 admitted running sequence is preempted and later recomputed from scratch.
+
+A step is accounted when it is scheduled (num_computed_tokens advances, a sampled token becomes
+pending), so the next step can be planned before this one's tokens are read back (async
+scheduling); `postprocess` then appends the tokens and finishes sequences. A sequence sampled in
+the last step runs one more token whose input the forward takes from that step's sampled tokens.
 """
 from __future__ import annotations
 
@@ -75,10 +80,14 @@ class ScheduleOutput:
         return not self.seqs
 
     def _add(self, seq: Sequence, num_new: int) -> None:
+        """Schedule `num_new` tokens of `seq` and account for them now (see the module docstring)."""
+        sample = seq.num_computed_tokens + num_new == seq.num_planned_tokens
         self.seqs.append(seq)
         self.num_new_tokens.append(num_new)
         self.num_computed_before.append(seq.num_computed_tokens)
-        self.sample.append(seq.num_computed_tokens + num_new == seq.num_tokens)
+        self.sample.append(sample)
+        seq.num_computed_tokens += num_new
+        seq.num_pending_tokens += int(sample)
 
 
 class Scheduler:
@@ -150,7 +159,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and token_budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, token_budget)
+            if self._ends_with_pending(seq):  # finishes by length once its pending token is read
+                i += 1
+                continue
+            num_new = min(seq.num_planned_tokens - seq.num_computed_tokens, token_budget)
             while not bm.ensure_slots(seq, seq.num_computed_tokens + num_new):
                 victim = self.running.pop()  # most recently admitted; never one already scheduled
                 self._preempt(victim)
@@ -171,6 +183,8 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             seq = self.waiting[0]
+            if seq.num_pending_tokens:  # preempted while its token was pending: wait for it
+                break
             bm.allocate_prefix(seq)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, token_budget)
             if not bm.ensure_slots(seq, seq.num_computed_tokens + num_new):
@@ -194,24 +208,36 @@ class Scheduler:
         return out
 
     def postprocess(self, output: ScheduleOutput, sampled: dict[int, int]) -> list[Sequence]:
-        """Advance the step's sequences, append their sampled tokens; return the newly finished."""
+        """Take a step's sampled tokens (seq_id -> token) once they are on the host: cache the blocks
+        the step completed, append the tokens, finish sequences; return the newly finished."""
         finished: list[Sequence] = []
-        for seq, num_new, sample in zip(output.seqs, output.num_new_tokens, output.sample):
-            if seq.is_finished:  # aborted after it was scheduled
+        for seq, before, num_new, sample in zip(output.seqs, output.num_computed_before, output.num_new_tokens,
+                                                output.sample):
+            if seq.is_finished:  # aborted, or finished by the step before (this one ran speculatively)
                 continue
-            seq.num_computed_tokens += num_new
-            self.block_manager.cache_full_blocks(seq)
+            if seq.status is SequenceStatus.RUNNING:  # a preempted one holds no blocks any more
+                self.block_manager.cache_full_blocks(seq, before + num_new)
             if not sample:
                 continue
             token = sampled[seq.seq_id]
+            seq.num_pending_tokens -= 1
             seq.append_token(token)
             reason = self._stop_reason(seq, token)
             if reason is not None:
+                if seq.status is SequenceStatus.WAITING:
+                    self.waiting.remove(seq)
                 self._finish(seq, reason)
                 finished.append(seq)
         if finished:
             self.running = [s for s in self.running if not s.is_finished]
         return finished
+
+    def _ends_with_pending(self, seq: Sequence) -> bool:
+        """A pending token that will be the sequence's last (max_tokens or max_model_len)."""
+        if not seq.num_pending_tokens:
+            return False
+        outputs = seq.num_output_tokens + seq.num_pending_tokens
+        return outputs >= seq.params.max_tokens or seq.num_planned_tokens >= self.config.max_model_len
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         if not seq.params.ignore_eos and token in self.eos_token_ids:
@@ -221,7 +247,8 @@ class Scheduler:
         return None
 
     def _preempt(self, seq: Sequence) -> None:
-        """Recompute preemption: drop its KV, keep its tokens, requeue it first."""
+        """Recompute preemption: drop its KV, keep its tokens (a pending one is appended when it
+        arrives, before the sequence can be readmitted), requeue it first."""
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING

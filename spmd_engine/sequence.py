@@ -97,7 +97,9 @@ class Sequence:
     params: SamplingParams = field(default_factory=SamplingParams)
     token_ids: list[int] = field(init=False)
     num_prompt_tokens: int = field(init=False)
-    num_computed_tokens: int = 0  # leading tokens whose KV is in the cache
+    num_computed_tokens: int = 0  # leading tokens whose KV is in the cache or scheduled to be
+    # sampled on the device but not yet read back (async scheduling plans ahead of the readback)
+    num_pending_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit at the last admission (metrics)
     block_table: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
@@ -114,6 +116,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_planned_tokens(self) -> int:
+        """Known tokens plus those still being sampled: what the scheduler plans against."""
+        return len(self.token_ids) + self.num_pending_tokens
 
     @property
     def num_output_tokens(self) -> int:

@@ -1,8 +1,9 @@
-"""StepTimer: where rank 0's wall time goes in each step, measured with host clocks only.
+"""StepTimer: where rank 0's wall time goes in each step, from host clocks plus GPU idle time.
 
-No device synchronisation is added: GPU time shows up where the host first waits for it (the
-sampler reading tokens back), so `sample` holds the GPU's share of a step and the other phases
-are host work during which the GPU idles (the loop is synchronous).
+No device synchronisation is added: GPU time shows up where the host first waits for it (`wait`:
+the readback of sampled tokens). With async scheduling the host phases overlap the GPU's forward,
+so the host plan work (schedule, broadcast, inputs) says how busy the host is, and `gpu_idle`
+(from CUDA events, see GpuTimeline) says how long the GPU waited for it.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-PHASES = ("schedule", "broadcast", "inputs", "forward", "sample", "postprocess")
+PHASES = ("wait", "postprocess", "schedule", "broadcast", "inputs", "sample", "forward")
 HOST_PLAN_PHASES = ("schedule", "broadcast", "inputs")  # building, sending and staging the plan
 
 
@@ -22,6 +23,12 @@ class StepTimer:
     num_tokens: list[int] = field(default_factory=list)
     is_decode: list[bool] = field(default_factory=list)
     phases: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in PHASES})
+    gpu_idle_ms: list[float | None] = field(default_factory=list)  # per step, CUDA only
+
+    def set_gpu_idle(self, per_step_ms: list[float | None]) -> None:
+        if per_step_ms and len(per_step_ms) != len(self):
+            raise ValueError(f"{len(per_step_ms)} GPU idle times for {len(self)} steps")
+        self.gpu_idle_ms = list(per_step_ms)
 
     def add(self, num_seqs: int, num_tokens: int, is_decode: bool, **durations: float) -> None:
         if set(durations) != set(PHASES):
@@ -60,4 +67,10 @@ class StepTimer:
         row.update({f"{p}_ms": float(v.mean()) for p, v in ms.items()})
         row["host_plan_ms"] = float(host_plan.mean())
         row["host_plan_fraction"] = float(host_plan.sum() / step.sum()) if step.sum() > 0 else 0.0
+        if self.gpu_idle_ms:
+            idle = np.asarray([np.nan if v is None else v for v in self.gpu_idle_ms])[mask]
+            known = ~np.isnan(idle)
+            if known.any():
+                row["gpu_idle_ms"] = float(idle[known].mean())
+                row["gpu_idle_fraction"] = float(idle[known].sum() / step[known].sum()) if step[known].sum() > 0 else 0.0
         return row

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.layers.linear import matmul_fp32_out
 from models.layers.weight_loading import copy_checked, new_parameter
 from models.parallel import TensorParallel
 
@@ -57,6 +58,8 @@ class VocabParallelEmbedding(_VocabShardedWeight):
 class ParallelLMHead(_VocabShardedWeight):
     """hidden [N, hidden] -> float32 logits [N, vocab] on tensor-parallel rank 0 (None elsewhere).
 
+    On CUDA the matmul writes float32 directly: bf16 logits (8 significant bits) tie often, and a
+    tie decided by a rounding makes greedy tokens depend on the rank count and on kernel choice.
     `tied_to`: share the embedding's weight (tie_word_embeddings); it has the same shape and shard.
     """
 
@@ -65,7 +68,11 @@ class ParallelLMHead(_VocabShardedWeight):
         super().__init__(vocab_size, hidden_size, tp, tied_to.weight if tied_to is not None else None)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = self.tp.gather_to_first(F.linear(hidden, self.weight), dim=-1)
+        if hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16):
+            logits = matmul_fp32_out(hidden, self.weight)
+        else:  # CPU has no float32-output matmul; upcasting the whole vocabulary matrix costs too much
+            logits = F.linear(hidden, self.weight)
+        logits = self.tp.gather_to_first(logits, dim=-1)
         if logits is None:
             return None
         return logits[:, : self.vocab_size].float()

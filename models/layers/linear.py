@@ -21,6 +21,19 @@ def divide(total: int, parts: int, what: str) -> int:
     return total // parts
 
 
+def matmul_fp32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T as float32 from bf16/fp16 `x` and `weight` of the same dtype, never rounded to it.
+
+    CUDA: cuBLAS accumulates in float32 anyway; out_dtype only drops its final rounding. CPU has no
+    out_dtype matmul; upcasting the operands first is equivalent (no rounding to the operands' dtype
+    anywhere), since a product of two bf16 (or fp16) values is exact in float32.
+    """
+    if not x.is_cuda:
+        return F.linear(x.float(), weight.float())
+    y = torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W's rows (output features) split evenly across ranks; no communication."""
 
@@ -106,6 +119,10 @@ class RowParallelLinear(nn.Module):
 
     The input is the rank's shard of the features (the output of a column-parallel layer). The
     bias is replicated and added once, by rank 0, before the sum.
+
+    With tp.reduce_dtype=float32 and bf16/fp16 activations on several ranks, the partial products
+    stay float32 through the all-reduce and are rounded once, after it, as a single rank's matmul
+    rounds once: summing rounded partials would round twice and flip near-tie greedy tokens.
     """
 
     def __init__(self, input_size: int, output_size: int, tp: TensorParallel, bias: bool = False) -> None:
@@ -120,5 +137,10 @@ class RowParallelLinear(nn.Module):
         copy_checked(param.data, full.narrow(1, self.tp.rank * cols, cols), "row-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias if self.tp.is_first else None)
-        return self.tp.all_reduce(y)
+        bias = self.bias if self.tp.is_first else None
+        if self.tp.world_size == 1 or self.tp.reduce_dtype is None or x.dtype not in (torch.bfloat16, torch.float16):
+            return self.tp.all_reduce(F.linear(x, self.weight, bias))
+        y = matmul_fp32_out(x, self.weight)
+        if bias is not None:
+            y += bias
+        return self.tp.all_reduce(y).to(x.dtype)

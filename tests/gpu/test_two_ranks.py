@@ -1,4 +1,4 @@
-"""Tensor parallelism over 2 GPUs (torchrun, NCCL, CUDA graphs) gives 1 GPU's greedy tokens in fp32."""
+"""Tensor parallelism over 2 GPUs (torchrun, NCCL, CUDA graphs) against 1 GPU: fp32 and bf16."""
 import json
 import os
 import subprocess
@@ -9,40 +9,69 @@ import pytest
 import torch
 
 from tests.gpu.engine_setup import GPU, PROMPTS, tiny_bf16_checkpoint
+from tests.helpers.spawned_ranks import run_on_ranks
+from tests.models.test_row_parallel_reduce import check_row_parallel_outputs, row_parallel_worker
 
 pytestmark = GPU + [pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
 REPO = Path(__file__).resolve().parents[2]
-# bf16: every rank rounds its row-parallel partial sum before the all-reduce, so near-ties of this tiny
-# random model flip (H200, 2026-11-30: one prompt of five differed at its 4th token in one run, at its
-# first token in another). bf16 runs must complete at both sizes; fp32 must agree everywhere.
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+MAX_TOKENS = 12
+# fp32 must give 1 rank's tokens, and so must bf16 with tp_reduce_dtype=float32 (the default). Two
+# things made bf16 differ before (H200, 2026-11-30, this checkpoint): per-rank rounding of the
+# row-parallel partial sums (12974 of 34816 layer-0 o_proj outputs differ with tp_reduce_dtype=model, 3
+# with float32: two fp32 half-K partials are associated differently from cuBLAS's one K loop), and
+# bf16 logits, whose exact ties (prompt 4's first token: tokens 38 and 196 both at 2.109375) any
+# 1-ulp difference flips. The LM head now writes float32 logits; with both, 5/5 prompts agree.
+# tp_reduce_dtype=model is reported, not asserted (it agreed too once the logits were float32).
 
 
-def run_engine(ckpt: Path, out: Path, nproc: int) -> dict[str, list[list[int]]]:
-    """One launch, a Hydra multirun over float32 and bfloat16: greedy tokens per dtype."""
+def run_engine(ckpt: Path, out: Path, nproc: int, sweep: list[str]) -> dict[tuple[str, str], list[list[int]]]:
+    """One launch, a Hydra multirun over `sweep`: greedy tokens per (dtype, tp_reduce_dtype) job."""
     prompts = out.parent / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in PROMPTS))
     launcher = [sys.executable, "run.py"] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "run.py"]
-    args = ["-m", "dtype=float32,bfloat16", "model=qwen3", f"model.path={ckpt}", f"prompts_file={prompts}",
-            "device=cuda", "sampling.temperature=0", "sampling.max_tokens=12", "sampling.ignore_eos=true",
+    args = ["-m", *sweep, "model=qwen3", f"model.path={ckpt}", f"prompts_file={prompts}", "device=cuda",
+            "sampling.temperature=0", f"sampling.max_tokens={MAX_TOKENS}", "sampling.ignore_eos=true",
             "num_kv_blocks=128", "max_model_len=256", "max_num_seqs=8", f"hydra.sweep.dir={out}", "log_level=WARNING"]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                            "MASTER_PORT")}
-    env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
-    proc = subprocess.run(launcher + args, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    env.update(NO_MULTICAST)
+    proc = subprocess.run(launcher + args, cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     tokens = {}
-    for job, dtype in (("0", "float32"), ("1", "bfloat16")):
-        rows = [json.loads(line) for line in (out / job / "outputs.jsonl").read_text().splitlines()]
+    for job in sorted(p for p in out.iterdir() if p.is_dir()):
+        config = json.loads((job / "metrics.json").read_text())["config"]
+        rows = [json.loads(line) for line in (job / "outputs.jsonl").read_text().splitlines()]
         assert [r["error"] for r in rows] == [None] * len(PROMPTS)
-        tokens[dtype] = [r["token_ids"] for r in sorted(rows, key=lambda r: r["index"])]
+        rows.sort(key=lambda r: r["index"])
+        tokens[config["dtype"], config["tp_reduce_dtype"]] = [r["token_ids"] for r in rows]
     return tokens
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
 def test_two_ranks_match_one(tmp_path):
     ckpt = tiny_bf16_checkpoint(tmp_path / "ckpt")
-    two, one = run_engine(ckpt, tmp_path / "tp2", 2), run_engine(ckpt, tmp_path / "tp1", 1)
-    assert two["float32"] == one["float32"]
-    assert all(len(t) == 12 for t in two["bfloat16"] + one["bfloat16"])
-    print(f"bf16 2 ranks vs 1: {sum(a == b for a, b in zip(two['bfloat16'], one['bfloat16']))}/{len(PROMPTS)} "
-          f"prompts identical over all 12 tokens")
+    two = run_engine(ckpt, tmp_path / "tp2", 2, ["dtype=float32,bfloat16", "tp_reduce_dtype=float32,model"])
+    one = run_engine(ckpt, tmp_path / "tp1", 1, ["dtype=float32,bfloat16"])  # one rank has no all-reduce
+    assert set(two) == {(d, r) for d in ("float32", "bfloat16") for r in ("float32", "model")}
+    assert all(len(t) == MAX_TOKENS for tokens in [*two.values(), *one.values()] for t in tokens)
+    assert two["float32", "float32"] == two["float32", "model"] == one["float32", "float32"]
+    firsts = {}
+    for reduce_dtype in ("float32", "model"):
+        ours = two["bfloat16", reduce_dtype]
+        firsts[reduce_dtype] = [first_difference(a, b) for a, b in zip(ours, one["bfloat16", "float32"])]
+        print(f"bf16, tp_reduce_dtype={reduce_dtype}, 2 ranks vs 1: {firsts[reduce_dtype].count(None)}/"
+              f"{len(PROMPTS)} prompts identical over all {MAX_TOKENS} tokens; first different token per prompt: "
+              f"{firsts[reduce_dtype]}")
+    assert firsts["float32"] == [None] * len(PROMPTS)
+
+
+def test_row_parallel_float32_reduce_over_nccl(tmp_path, monkeypatch):
+    for key, value in NO_MULTICAST.items():
+        monkeypatch.setenv(key, value)
+    run_on_ranks(row_parallel_worker, (tmp_path, "cuda"), backend="nccl")
+    check_row_parallel_outputs(tmp_path)

@@ -141,7 +141,10 @@ def generate_in_process(args: list[str]) -> list[list[int]]:
 
     Composes the same Hydra config and builds the same requests as a job, without writing files;
     `hydra.*` arguments are ignored. Much cheaper than a subprocess as a single-rank reference.
+    One torch thread, as engine_env gives every run: on 2 cores a second thread makes tiny ops
+    (bf16 ones most) many times slower.
     """
+    import torch
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
@@ -155,12 +158,17 @@ def generate_in_process(args: list[str]) -> list[list[int]]:
     with initialize_config_dir(version_base="1.3", config_dir=str(REPO / "conf")):
         raw = OmegaConf.to_container(compose(config_name="config", overrides=overrides), resolve=True)
     cfg = engine_config_from_dict(raw)
-    llm = LLM(cfg, RankInfo(0, 1, 0, "127.0.0.1", 0, "single"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
-        tokenizer = load_tokenizer(llm.source.tokenizer_dir) if llm.source.tokenizer_dir else None
-        outputs = llm.generate(build_requests(cfg, tokenizer, llm.shape.vocab_size))
+        llm = LLM(cfg, RankInfo(0, 1, 0, "127.0.0.1", 0, "single"))
+        try:
+            tokenizer = load_tokenizer(llm.source.tokenizer_dir) if llm.source.tokenizer_dir else None
+            outputs = llm.generate(build_requests(cfg, tokenizer, llm.shape.vocab_size))
+        finally:
+            llm.close()
     finally:
-        llm.close()
+        torch.set_num_threads(threads)
     assert all(o.error is None for o in outputs), [o.error for o in outputs]
     return [o.token_ids for o in outputs]
 

@@ -1,25 +1,19 @@
 """tp=2 (two gloo CPU processes) must give the logits of tp=1, from a checkpoint and from dummy weights."""
 import json
-import socket
-import time
-from datetime import timedelta
 from pathlib import Path
 
-import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from models.loader import load_dummy_weights, load_safetensors_weights
 from models.parallel import TensorParallel
 from models.registry import build_model
+from tests.helpers.spawned_ranks import run_on_ranks
 from tests.helpers.tiny_checkpoints import make_tiny_checkpoint
 from tests.models.hf_parity import PROMPTS, relative_error
 from tests.models.paged_runner import run_paged
 
 STEPS = 4
 FORCED = [[11 * b + 3 * s + 4 for s in range(STEPS)] for b in range(len(PROMPTS))]
-TIMEOUT_S = 120
 
 
 def run_scenarios(checkpoints: dict[str, Path], tp: TensorParallel) -> dict[str, list[torch.Tensor]]:
@@ -38,24 +32,12 @@ def run_scenarios(checkpoints: dict[str, Path], tp: TensorParallel) -> dict[str,
     return results
 
 
-def _worker(rank: int, port: int, checkpoints: dict[str, Path], out: Path) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60))
-    try:
-        results = run_scenarios(checkpoints, TensorParallel.from_default_group())
-        if rank == 0:
-            torch.save(results, out)
-        else:
-            assert all(not logits for logits in results.values()), "logits must reach rank 0 only"
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _worker(rank: int, checkpoints: dict[str, Path], out: Path) -> None:
+    results = run_scenarios(checkpoints, TensorParallel.from_default_group())
+    if rank == 0:
+        torch.save(results, out)
+    else:
+        assert all(not logits for logits in results.values()), "logits must reach rank 0 only"
 
 
 def test_two_ranks_match_one(tmp_path):
@@ -66,14 +48,7 @@ def test_two_ranks_match_one(tmp_path):
                                           mlp_bias=True, tokenizer=False),
     }
     out = tmp_path / "tp2.pt"
-    context = mp.start_processes(_worker, args=(_free_port(), checkpoints, out), nprocs=2, join=False,
-                                 start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT_S
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"tensor-parallel workers did not finish in {TIMEOUT_S}s")
+    run_on_ranks(_worker, (checkpoints, out))
     sharded = torch.load(out)
     single = run_scenarios(checkpoints, TensorParallel.single())
     assert sharded.keys() == single.keys()

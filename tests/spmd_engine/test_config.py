@@ -18,6 +18,7 @@ def base(**over):
     ("device", "tpu", "device must be one of"),
     ("attention_backend", "xformers", "attention_backend must be one of"),
     ("tensor_parallel_size", 4, "tensor_parallel_size=4 must equal the number of ranks (1)"),
+    ("tp_reduce_dtype", "bfloat16", "tp_reduce_dtype must be one of float32|model, got 'bfloat16'"),
 ])
 def test_bad_engine_keys_name_the_key_and_limit(key, value, needle):
     cfg = engine_config_from_dict(base(**{key: value}))
@@ -41,3 +42,17 @@ def test_valid_defaults_pass():
     cfg = engine_config_from_dict(base(prompts="hello"))
     cfg.validate(1)
     assert cfg.prompts == ["hello"] and cfg.block_size == 16
+
+
+@pytest.mark.parametrize("value", ["float32", "model"])
+def test_tp_reduce_dtype_accepts_float32_and_model(value):
+    engine_config_from_dict(base(tp_reduce_dtype=value)).validate(2)
+
+
+def test_tp_reduce_dtype_defaults_to_float32_in_code_and_yaml():
+    from omegaconf import OmegaConf
+
+    from tests.helpers.run_engine import REPO
+
+    assert engine_config_from_dict(base()).tp_reduce_dtype == "float32"
+    assert OmegaConf.load(REPO / "conf" / "config.yaml").tp_reduce_dtype == "float32"

@@ -108,16 +108,20 @@ def test_chunked_prefill_matches_hf_and_shares_prefix_within_a_run(tiny):
     assert llm.last_run["steps"] > NEW_TOKENS  # prompts did not fit one step: they were chunked
 
 
-def test_forced_preemption_matches_hf(tiny):
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_forced_preemption_matches_hf(tiny, async_scheduling):
     path, expected = tiny
-    llm = make_llm(path, block_size=4, num_kv_blocks=16, max_model_len=64)  # 5 x ~15 blocks wanted
+    llm = make_llm(path, block_size=4, num_kv_blocks=16, max_model_len=64,  # 5 x ~15 blocks wanted
+                   async_scheduling=async_scheduling)
     outs = generate(llm, PROMPTS)
     assert llm.last_run["preemptions"] > 0
     assert tokens(outs) == expected
 
 
-def test_stops_at_eos_like_hf(tmp_path):
-    """Without ignore_eos both stop right after the first EOS, which is kept as the last token."""
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_stops_at_eos_like_hf(tmp_path, async_scheduling):
+    """Without ignore_eos both stop right after the first EOS, which is kept as the last token (async:
+    the step planned before the EOS was read back is dropped)."""
     path = make_tiny_checkpoint(tmp_path / "ckpt", arch="llama", tokenizer=False, max_position_embeddings=128)
     free_run = tokens(generate(make_llm(path), PROMPTS))
     eos = free_run[0][5]  # a token greedy decoding does produce: make it the checkpoint's EOS
@@ -125,7 +129,7 @@ def test_stops_at_eos_like_hf(tmp_path):
         config = json.loads((path / name).read_text())
         (path / name).write_text(json.dumps({**config, "eos_token_id": eos}))
     expected = hf_greedy(path, PROMPTS, NEW_TOKENS, eos_token_id=eos)
-    outs = generate(make_llm(path, block_size=8), PROMPTS, ignore_eos=False)
+    outs = generate(make_llm(path, block_size=8, async_scheduling=async_scheduling), PROMPTS, ignore_eos=False)
     assert tokens(outs) == expected
     assert len(outs[0].token_ids) <= 6 and outs[0].finish_reason == "stop"
     for out in outs:
@@ -142,6 +146,20 @@ def test_seeded_sampling_is_reproducible_across_engines(tiny):
     assert tokens(alone)[0] == tokens(batched)[1]
     unseeded = generate(make_llm(path), [PROMPTS[1]], **{**sampled, "seed": None})
     assert tokens(unseeded)[0] != tokens(alone)[0]  # the seed, not luck, made them equal
+
+
+def test_async_and_synchronous_scheduling_sample_the_same_seeded_tokens(tiny):
+    """Each seeded request draws from its own generator once per kept token, so planning ahead (which
+    samples a finished sequence once more and drops it) changes nothing; nor do chunks or preemption."""
+    path, _ = tiny
+    sampled = {"temperature": 1.0, "top_p": 0.9, "top_k": 50, "seed": 77, "ignore_eos": False}
+    runs = {}
+    for mode in (True, False):
+        llm = make_llm(path, block_size=4, num_kv_blocks=16, max_model_len=64, max_num_batched_tokens=8,
+                       async_scheduling=mode)
+        runs[mode] = tokens(generate(llm, PROMPTS, **sampled))
+        assert llm.last_run["async_scheduling"] is mode
+    assert runs[True] == runs[False]
 
 
 def test_a_run_that_failed_half_way_leaves_the_next_one_a_clean_pool(tiny):

@@ -1,4 +1,5 @@
 import numpy as np
+import pytest
 
 from spmd_engine.forward_batch import build_host_batch
 from spmd_engine.plan import StepPlan
@@ -27,3 +28,20 @@ def test_pure_decode_step_is_flagged():
                     sample=np.array([True, True]))
     hb = build_host_batch(plan, np.array([[0, 1], [2, 3]], dtype=np.int32), block_size=4)
     assert hb.is_decode and hb.positions.tolist() == [4, 7] and hb.slot_mapping.tolist() == [4, 15]
+
+
+def test_deferred_inputs_are_filled_from_the_previous_steps_tokens():
+    import torch
+
+    from spmd_engine.forward_batch import to_device
+
+    plan = StepPlan(step=4, seq_ids=np.array([1, 2, 3]), num_computed=np.array([4, 7, 0], dtype=np.int32),
+                    query_lens=np.array([1, 1, 2], dtype=np.int32), input_ids=np.array([0, 6, 8, 9], dtype=np.int32),
+                    sample=np.array([True, True, True]), deferred_positions=np.array([0], dtype=np.int32),
+                    deferred_rows=np.array([2], dtype=np.int32), num_prev_sampled=3)
+    host = build_host_batch(plan, np.array([[0, 1], [2, 3], [4, 0]], dtype=np.int32), block_size=4)
+    batch = to_device(host, 4, torch.device("cpu"))
+    batch.fill_deferred(torch.tensor([70, 71, 72]))
+    assert batch.input_ids.tolist() == [72, 6, 8, 9]
+    with pytest.raises(RuntimeError, match="none were given"):
+        batch.fill_deferred(None)

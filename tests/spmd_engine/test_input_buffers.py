@@ -58,3 +58,13 @@ def test_only_decode_batches_pad_and_capacity_is_checked():
         buffers.load(mixed_host(), rows=4)
     assert not buffers.fits(mixed_host())  # 8 tokens > 6
     assert buffers.fits(decode_host(4)) and not buffers.fits(decode_host(5))
+
+
+def test_deferred_inputs_are_staged_and_filled_in_the_buffer():
+    import dataclasses
+
+    buffers = InputBuffers(max_tokens=16, max_seqs=4, max_blocks=3, block_size=4, device=CPU)
+    host = dataclasses.replace(decode_host(3), deferred_positions=np.array([0, 2]), deferred_rows=np.array([1, 0]))
+    batch = buffers.load(host, rows=4)
+    batch.fill_deferred(torch.tensor([90, 91]))
+    assert batch.input_ids.tolist() == [91, 41, 90, 0]  # the padded row keeps token 0

@@ -128,3 +128,35 @@ def test_decode_plan_at_batch_256_is_small():
     assert plan.is_decode and plan.num_seqs == 256 and plan.new_block_ids.size == 0
     size = len(pickle.dumps(plan))
     assert size < 8 * 1024, size
+
+
+def test_inputs_still_being_sampled_are_deferred_to_the_previous_steps_rows():
+    sched, builder = make(max_num_batched_tokens=16), PlanBuilder()
+    a = Sequence(3, [11, 12, 13], SamplingParams(max_tokens=5))
+    b = Sequence(8, [21, 22, 23, 24, 25, 26, 27, 28, 29], SamplingParams(max_tokens=5))
+    c = Sequence(9, [31, 32], SamplingParams(max_tokens=5))
+    for s in (a, b, c):
+        sched.add(s)
+    first = builder.build(sched.schedule(), step=0)  # a: 3, b: 9, c: 2 tokens (14 of 16)
+    assert first.sample.tolist() == [True, True, True] and first.deferred_positions.size == 0
+    second = builder.build(sched.schedule(), step=1)  # every input is a token step 0 is still sampling
+    assert second.input_ids.tolist() == [0, 0, 0]
+    assert second.deferred_positions.tolist() == [0, 1, 2] and second.deferred_rows.tolist() == [0, 1, 2]
+    assert second.num_prev_sampled == 3
+
+
+def test_known_and_deferred_inputs_mix_in_one_plan():
+    sched, builder = make(max_num_batched_tokens=8), PlanBuilder()
+    a = Sequence(3, [11, 12, 13], SamplingParams(max_tokens=5))
+    b = Sequence(8, [21, 22, 23, 24, 25, 26, 27, 28, 29], SamplingParams(max_tokens=5))
+    sched.add(a)
+    sched.add(b)
+    first_out = sched.schedule()  # a: 3 (samples), b: 5 of 9 (no sample)
+    builder.build(first_out, step=0)
+    second = builder.build(sched.schedule(), step=1)  # a: its pending token, b: its last 4 prompt tokens
+    assert second.input_ids.tolist() == [0, 26, 27, 28, 29]
+    assert second.deferred_positions.tolist() == [0] and second.deferred_rows.tolist() == [0]
+    assert second.num_prev_sampled == 1
+    sched.postprocess(first_out, {3: 77})
+    third = builder.build(sched.schedule(), step=2)  # a's token 77 is known now; the step-1 ones are not
+    assert third.input_ids.tolist() == [0, 0] and third.deferred_rows.tolist() == [0, 1]

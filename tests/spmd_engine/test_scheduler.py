@@ -306,3 +306,69 @@ def test_random_simulation_keeps_invariants_and_finishes(seed, prefix_caching):
     assert sched.num_preemptions > 0
     if prefix_caching:
         assert sched.block_manager.prefix_cache_hits > 0
+
+
+# --- async scheduling: the next step is planned before this one's tokens are read back ----------
+
+def test_next_step_is_planned_before_the_tokens_arrive():
+    sched = make(max_num_batched_tokens=32)
+    a, b = seq(0, 5), seq(1, 3)
+    sched.add(a)
+    sched.add(b)
+    first = sched.schedule()
+    assert rows(first) == [(0, 0, 5, True), (1, 0, 3, True)]
+    assert (a.num_computed_tokens, a.num_pending_tokens, a.num_planned_tokens) == (5, 1, 6)
+    second = sched.schedule()  # the first step's tokens are still on the device
+    assert rows(second) == [(0, 5, 1, True), (1, 3, 1, True)]
+    assert a.num_pending_tokens == 2 and a.num_tokens == 5
+    assert sched.postprocess(first, {0: 7, 1: 8}) == []
+    assert a.token_ids[-1] == 7 and a.num_pending_tokens == 1
+    third = sched.schedule()
+    assert rows(third) == [(0, 6, 1, True), (1, 4, 1, True)]
+    sched.postprocess(second, {0: 9, 1: 9})
+    assert a.output_token_ids == [7, 9] and a.num_pending_tokens == 1
+
+
+def test_a_pending_last_token_is_not_planned_again():
+    sched = make()
+    short, longer = seq(0, 3, max_tokens=1), seq(1, 3, max_tokens=4)
+    sched.add(short)
+    sched.add(longer)
+    first = sched.schedule()
+    second = sched.schedule()  # `short` ends with its pending token: only `longer` runs
+    assert rows(second) == [(1, 3, 1, True)]
+    assert sched.postprocess(first, {0: 5, 1: 5}) == [short]
+    assert short.finish_reason == "length" and short.output_token_ids == [5]
+
+
+def test_a_speculative_step_after_eos_is_dropped():
+    sched = make()
+    s = seq(0, 3, ignore_eos=False)
+    sched.add(s)
+    first = sched.schedule()
+    second = sched.schedule()  # planned before anyone knows the first token is EOS
+    assert rows(second) == [(0, 3, 1, True)]
+    assert sched.postprocess(first, {0: EOS}) == [s]
+    assert sched.postprocess(second, {0: 5}) == []  # its token is thrown away
+    assert s.output_token_ids == [EOS] and s.finish_reason == "stop"
+    assert not sched.has_unfinished() and sched.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("token, finished", [(5, False), (EOS, True)])
+def test_preempted_with_a_pending_token_waits_for_it(token, finished):
+    sched = make(max_num_batched_tokens=32, num_blocks=8)  # 2 x 16-token prompts fill the pool
+    a, b = seq(0, 16), seq(1, 16, ignore_eos=False)
+    sched.add(a)
+    sched.add(b)
+    first = sched.schedule()
+    second = sched.schedule()  # a needs a 5th block: b is preempted while its token is pending
+    assert rows(second) == [(0, 16, 1, True)] and second.preempted == [b]
+    assert (b.status, b.num_computed_tokens, b.num_pending_tokens, b.block_table) == (SequenceStatus.WAITING, 0, 1, [])
+    assert sched.postprocess(first, {0: 5, 1: token}) == ([b] if finished else [])
+    assert b.num_pending_tokens == 0 and b.output_token_ids == [token]
+    assert (b in sched.waiting) != finished
+    if not finished:  # readmitted later, recomputing its prompt and the token that arrived
+        sched.postprocess(second, {0: 5})
+        while b.status is not SequenceStatus.RUNNING:
+            out, _ = fixed_token_step(sched)
+        assert b.num_computed_tokens == 17

@@ -27,3 +27,16 @@ def test_every_phase_is_required():
     with pytest.raises(ValueError, match="exactly the phases"):
         StepTimer().add(1, 1, True, schedule=0.1)
     assert StepTimer().summary() == {"steps": 0}
+
+
+def test_gpu_idle_is_summarised_over_the_steps_that_have_it():
+    timer = StepTimer()
+    for _ in range(3):
+        timer.add(8, 8, True, **phases(wait=0.008, schedule=0.002))
+    timer.set_gpu_idle([0.5, 1.5, None])  # the last step has no successor to measure against
+    full = timer.summary()["decode_max_batch"]
+    assert full["gpu_idle_ms"] == pytest.approx(1.0)
+    assert full["gpu_idle_fraction"] == pytest.approx(2.0 / 20.0)
+    assert full["host_plan_fraction"] == pytest.approx(0.2)
+    with pytest.raises(ValueError, match="2 GPU idle times for 3 steps"):
+        timer.set_gpu_idle([0.1, 0.2])

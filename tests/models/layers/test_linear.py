@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 
 from models.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
-                                  RowParallelLinear)
+                                  RowParallelLinear, matmul_fp32_out)
 from models.parallel import TensorParallel
 
 GEN = torch.Generator().manual_seed(0)
@@ -73,6 +73,15 @@ def test_row_parallel_partial_products_sum_to_full_output():
     single.weight.weight_loader(single.weight, weight)
     single.bias.weight_loader(single.bias, bias)
     torch.testing.assert_close(single(x), F.linear(x, weight, bias))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_matmul_fp32_out_keeps_any_leading_shape_and_is_never_rounded(dtype):
+    x, weight = torch.randn(2, 3, 8, generator=GEN).to(dtype), torch.randn(5, 8, generator=GEN).to(dtype)
+    y = matmul_fp32_out(x, weight)
+    assert y.dtype == torch.float32 and y.shape == (2, 3, 5)
+    torch.testing.assert_close(y, x.float() @ weight.float().T, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(y, y.to(dtype).float())  # values a rounding to `dtype` would have changed
 
 
 def test_loader_rejects_wrong_checkpoint_shape():
