@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks of docs/BENCHMARKS.md, in one call on an H200 machine (2 GPUs for tp).
 #   bash launch/gpu_check.sh [STAGE ...]
-#   stages: tests fused sampler qwen3 qwen3_p1 sync bs1 prefill tp tp_sync sweep profile (default: all)
+#   stages: tests fused sampler qwen3 qwen3_p1 sync bs1 prefill tp tp_sync qwen3_tp2 sweep profile (default: all)
 # Logs go to $OUT/log.txt (OUT defaults to ./gpu_check_out), every run's metrics.json to $OUT/metrics.tgz,
 # and a summary table is printed last (also $OUT/summary.txt). Each stage has its own time limit.
 set -uo pipefail
@@ -11,7 +11,7 @@ OUT=${OUT:-$PWD/gpu_check_out}
 WORK=${GPU_CHECK_WORK:-/tmp/gpu_check}
 mkdir -p "$OUT" "$WORK"
 LOG=$OUT/log.txt
-stages=${*:-tests fused sampler qwen3 qwen3_p1 sync bs1 prefill tp tp_sync sweep profile}
+stages=${*:-tests fused sampler qwen3 qwen3_p1 sync bs1 prefill tp tp_sync qwen3_tp2 sweep profile}
 TORCHRUN=(python -m torch.distributed.run --standalone --nproc_per_node=2)
 BENCH=(model.load_format=dummy workload=bench)
 
@@ -65,6 +65,8 @@ PY
     tp)
       CUDA_VISIBLE_DEVICES=0 run q8b_tp1 240 python run.py model=qwen3_8b "${BENCH[@]}"
       run q8b_tp2 240 "${TORCHRUN[@]}" run.py model=qwen3_8b "${BENCH[@]}" ;;
+    qwen3_tp2)  # Qwen3-0.6B (16 heads, 8 KV heads) on 2 GPUs: the nano-vllm workload to completion
+      run qwen3_tp2 200 "${TORCHRUN[@]}" run.py model=qwen3 "${BENCH[@]}" max_model_len=4096 ;;
     tp_sync)
       run q8b_tp2_sync 240 "${TORCHRUN[@]}" run.py model=qwen3_8b "${BENCH[@]}" async_scheduling=false
       run q8b_tp2_model_reduce 240 "${TORCHRUN[@]}" run.py model=qwen3_8b "${BENCH[@]}" tp_reduce_dtype=model ;;
