@@ -12,6 +12,7 @@ tokens step N samples straight from the device, so the GPU never waits for the h
 """
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -173,6 +174,12 @@ class LLM:
         # rank 0: the KV pool's bookkeeping outlives one generate call, so the prefix cache still hits
         # in the next one (the KV tensors it indexes live as long as the runner)
         self.block_manager: BlockManager | None = None
+        if ranks.is_first:
+            self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        # Everything built so far lives as long as the engine: keep it out of the cyclic garbage
+        # collector's full passes, which otherwise walk every KV block's bookkeeping object (tens of
+        # ms at 100k+ blocks) in the middle of steps. `close` hands it back to the collector.
+        gc.freeze()
 
     def _checked_shape(self) -> ModelShape:
         shape = ModelShape.from_hf_config(self.source.hf_config)
@@ -222,6 +229,7 @@ class LLM:
             self.runner.execute(plan)
 
     def close(self) -> None:
+        gc.unfreeze()  # the model holds reference cycles (parameters' weight loaders): let them go
         self.runner.close()
         del self.model
 
