@@ -23,6 +23,9 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens for one request; the public config names are `sampling.<field>`."""
@@ -48,8 +51,8 @@ class SamplingParams:
             raise ValueError(f"sampling.max_tokens must be >= 1, got {self.max_tokens!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"sampling.ignore_eos must be true or false, got {self.ignore_eos!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"sampling.seed must be an integer or null, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise ValueError(f"sampling.seed must be an integer in [-2**63, 2**64 - 1] or null, got {self.seed!r}")
         return self
 
     @property

@@ -13,7 +13,9 @@ from spmd_engine.prompts import OVERRIDE_TYPES, PROMPT_KEYS, read_prompts, valid
 from spmd_engine.sequence import FINISH_LENGTH, FINISH_STOP, SamplingParams
 from tests.faults.engine_runs import make_llm
 
-SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# derandomize: CI must not fail on a run of luck; new cases are found by raising max_examples locally
+SETTINGS = settings(max_examples=60, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture])
 VOCAB, MAX_MODEL_LEN = 300, 32
 
 texts = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=12)
@@ -94,11 +96,11 @@ good_lines = st.builds(lambda ids, extra: json.dumps({"prompt_token_ids": ids, *
                        st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=MAX_MODEL_LEN - 1),
                        st.fixed_dictionaries({}, optional={"max_tokens": st.integers(1, 100),
                                                            "temperature": st.floats(0, 5), "top_p": st.floats(0.01, 1),
-                                                           "top_k": st.integers(-1, 400), "seed": st.integers(0, 2**70),
+                                                           "top_k": st.integers(-1, 400), "seed": st.integers(-(2**63), 2**64 - 1),
                                                            "ignore_eos": st.booleans()}))
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=15, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(rows=st.lists(lines, max_size=5), good=st.lists(good_lines, min_size=1, max_size=3), data=st.randoms())
 def test_the_engine_answers_every_fuzzed_request(tmp_path_factory, fuzz_llm, rows, good, data):
     mixed = rows + good

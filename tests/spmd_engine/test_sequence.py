@@ -21,7 +21,8 @@ def test_defaults_are_valid():
         ({"top_k": 2.5}, "sampling.top_k must be -1 (off) or >= 1, got 2.5"),
         ({"max_tokens": 0}, "sampling.max_tokens must be >= 1, got 0"),
         ({"ignore_eos": "yes"}, "sampling.ignore_eos must be true or false, got 'yes'"),
-        ({"seed": 1.5}, "sampling.seed must be an integer or null, got 1.5"),
+        ({"seed": 1.5}, "sampling.seed must be an integer in [-2**63, 2**64 - 1] or null, got 1.5"),
+        ({"seed": 2**64}, "sampling.seed must be an integer in [-2**63, 2**64 - 1] or null, got 18446744073709551616"),
     ],
 )
 def test_validate_names_field_and_limit(kwargs, message):
@@ -73,3 +74,11 @@ def test_sequence_copies_prompt_and_rejects_empty():
     assert prompt == [5, 6]
     with pytest.raises(ValueError, match="at least 1 token"):
         Sequence(1, [])
+
+
+def test_every_accepted_seed_seeds_a_torch_generator():
+    import torch
+
+    for seed in (-(2**63), -1, 0, 2**63, 2**64 - 1):
+        SamplingParams(seed=seed).validate()
+        torch.Generator().manual_seed(seed)
