@@ -137,17 +137,15 @@ class BlockManager:
             seq.block_table.append(block_id)
         return True
 
-    def cache_full_blocks(self, seq: Sequence, num_computed: int | None = None) -> None:
-        """Register the hashes of the sequence's full blocks among its first `num_computed` tokens
-        (default: num_computed_tokens), whose KV a finished step has written.
+    def cache_full_blocks(self, seq: Sequence, num_computed: int) -> None:
+        """Register the hashes of the sequence's full blocks among its first `num_computed` tokens,
+        whose KV a finished step has written.
 
         Call after every step, never at allocation: a block still waiting for a later prefill chunk
         (or a step still on the device) must not be found by another sequence.
         """
         if not self.enable_prefix_caching:
             return
-        if num_computed is None:
-            num_computed = seq.num_computed_tokens
         num_hashed, parent = self._chain.get(seq.seq_id, (0, None))
         num_full = min(num_computed, len(seq.token_ids)) // self.block_size
         num_full = min(num_full, len(seq.block_table))

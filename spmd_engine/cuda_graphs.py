@@ -54,7 +54,6 @@ class DecodeGraphs:
         self.buffers = buffers
         self.graphs = graphs
         self.sizes = sorted(graphs)
-        self.last_stage_s = 0.0  # host time the last `run` spent staging its inputs
         self.num_replays = 0
 
     @property
@@ -99,11 +98,8 @@ class DecodeGraphs:
 
     def stage(self, host: HostBatch) -> tuple[int, ForwardBatch]:
         """Copy the batch into the captured buffers, padded to the smallest graph that holds it."""
-        started = time.perf_counter()
         rows = self.padded_size(host.num_seqs)
-        batch = self.buffers.load(host, rows=rows)
-        self.last_stage_s = time.perf_counter() - started
-        return rows, batch
+        return rows, self.buffers.load(host, rows=rows)
 
     def replay(self, rows: int, host: HostBatch, batch: ForwardBatch) -> torch.Tensor | None:
         """Replay graph `rows`; logits of the sampled rows on tp rank 0.

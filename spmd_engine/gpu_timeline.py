@@ -1,8 +1,9 @@
 """GpuTimeline: how long the GPU waits for the host between steps, from CUDA events.
 
 Host clocks cannot tell host work that overlaps the GPU from host work the GPU waits for; events
-recorded around each step's forward and sampling can. They are read once, after the run, so
-measuring adds no synchronisation.
+recorded around each step's forward and sampling can. A step's events are read once the next
+step's forward has started on the GPU (a non-blocking query), so measuring adds no
+synchronisation and only the few steps in flight hold events.
 """
 from __future__ import annotations
 
@@ -17,29 +18,40 @@ class GpuTimeline:
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
-        self._steps: list[dict[str, torch.cuda.Event]] = []
+        self._marks: dict[int, dict[str, torch.cuda.Event]] = {}  # steps whose idle time is not read yet
+        self._idle: list[float | None] = []  # steps 0, 1, ... whose idle time is read
 
     def mark(self, step_index: int, name: str) -> None:
         if not self.enabled:
             return
-        while len(self._steps) <= step_index:
-            self._steps.append({})
         event = torch.cuda.Event(enable_timing=True)
         event.record()
-        self._steps[step_index][name] = event
+        self._marks.setdefault(step_index, {})[name] = event
+        if name == "forward_start":
+            self._read(wait=False)
 
     def idle_ms(self) -> list[float | None]:
         """Per step; None where a mark is missing (the last step, steps never sampled)."""
         if not self.enabled:
             return []
         torch.cuda.synchronize()
-        out: list[float | None] = []
-        for this, following in zip(self._steps, self._steps[1:] + [{}]):
-            if not all(m in this for m in MARKS) or "forward_start" not in following:
-                out.append(None)
-                continue
-            span = this["forward_start"].elapsed_time(following["forward_start"])
-            busy = (this["forward_start"].elapsed_time(this["forward_end"])
-                    + this["sample_start"].elapsed_time(this["sample_end"]))
-            out.append(max(0.0, span - busy))
-        return out
+        self._read(wait=True)
+        return list(self._idle)
+
+    def _read(self, wait: bool) -> None:
+        """Read, in step order, the steps whose successor's forward has started on the GPU (every
+        step when `wait`: the caller synchronised), and drop their events."""
+        while len(self._idle) in self._marks:
+            step = len(self._idle)
+            this = self._marks[step]
+            following = self._marks.get(step + 1, {}).get("forward_start")
+            if not wait and (following is None or not following.query()):
+                return
+            if following is None or not all(m in this for m in MARKS):
+                self._idle.append(None)
+            else:
+                span = this["forward_start"].elapsed_time(following)
+                busy = (this["forward_start"].elapsed_time(this["forward_end"])
+                        + this["sample_start"].elapsed_time(this["sample_end"]))
+                self._idle.append(max(0.0, span - busy))
+            del self._marks[step]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import time
 from dataclasses import dataclass
 
 import torch
@@ -66,7 +65,6 @@ class ModelRunner:
         if device.type == "cuda":
             self.inputs = InputBuffers(max(settings.max_num_batched_tokens, settings.max_num_seqs),
                                        settings.max_num_seqs, max_blocks, settings.block_size, device)
-        self.last_input_s = 0.0  # host time of the last stage: the plan turned into device inputs
         self.token_buffer: torch.Tensor | None = None  # the previous step's sampled tokens (ranks > 0)
         self.graphs = None
         # a pool smaller than one sequence is refused by the engine right after this; capture nothing
@@ -146,25 +144,21 @@ class ModelRunner:
 
     # --- the step -----------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Stage and launch one planned step (see `launch`)."""
-        return self.launch(self.stage(plan), prev_tokens)
+    def execute(self, plan: StepPlan) -> torch.Tensor | None:
+        """Stage and launch one planned step (see `launch`); the other ranks' path."""
+        return self.launch(self.stage(plan))
 
     @torch.inference_mode()
     def stage(self, plan: StepPlan) -> StagedStep:
         """Turn the plan into device inputs; the copy is queued behind whatever the GPU is running."""
-        started = time.perf_counter()
         tables = self.mirror.apply(plan)
         host = build_host_batch(plan, tables, self.settings.block_size)
         if self.graphs is not None and self.graphs.can_run(host):
             rows, batch = self.graphs.stage(host)
-            staged = StagedStep(plan, host, batch, rows)
-        elif self.inputs is not None and self.inputs.fits(host):
-            staged = StagedStep(plan, host, self.inputs.load(host), None)
-        else:
-            staged = StagedStep(plan, host, to_device(host, self.settings.block_size, self.device), None)
-        self.last_input_s = time.perf_counter() - started
-        return staged
+            return StagedStep(plan, host, batch, rows)
+        if self.inputs is not None and self.inputs.fits(host):
+            return StagedStep(plan, host, self.inputs.load(host), None)
+        return StagedStep(plan, host, to_device(host, self.settings.block_size, self.device), None)
 
     @torch.inference_mode()
     def launch(self, staged: StagedStep, prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -175,7 +169,7 @@ class ModelRunner:
         """
         batch, plan = staged.batch, staged.plan
         if plan.num_prev_sampled:
-            staged.batch.fill_deferred(self._share_tokens(prev_tokens, plan.num_prev_sampled))
+            batch.fill_deferred(self._share_tokens(prev_tokens, plan.num_prev_sampled))
         if staged.graph_rows is not None:
             return self.graphs.replay(staged.graph_rows, staged.host, batch)
         hidden = self.model(batch.input_ids, batch.positions, batch.attn)

@@ -12,7 +12,6 @@ import torch
 
 class TokenReadback:
     def __init__(self, tokens: torch.Tensor) -> None:
-        self.tokens = tokens  # on the device: the next step's deferred inputs come from here
         if tokens.device.type == "cuda":
             self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             self._host.copy_(tokens, non_blocking=True)

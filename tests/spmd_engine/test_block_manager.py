@@ -12,7 +12,7 @@ def computed(bm: BlockManager, seq: Sequence, num_tokens: int | None = None) -> 
     n = seq.num_tokens if num_tokens is None else num_tokens
     assert bm.ensure_slots(seq, n)
     seq.num_computed_tokens = n
-    bm.cache_full_blocks(seq)
+    bm.cache_full_blocks(seq, seq.num_computed_tokens)
     return seq
 
 
@@ -65,10 +65,10 @@ def test_block_is_registered_only_once_computed():
     a = admit(bm, 0, list(range(12)))
     assert bm.ensure_slots(a, 12)  # all slots allocated, but only the first chunk computed
     a.num_computed_tokens = 5
-    bm.cache_full_blocks(a)
+    bm.cache_full_blocks(a, a.num_computed_tokens)
     assert admit(bm, 1, list(range(12))).num_computed_tokens == 4
     a.num_computed_tokens = 12
-    bm.cache_full_blocks(a)
+    bm.cache_full_blocks(a, a.num_computed_tokens)
     assert admit(bm, 2, list(range(12)) + [1]).num_computed_tokens == 12
 
 
