@@ -298,12 +298,14 @@ class _Generation:
             if launched is None and not self.scheduler.has_unfinished():
                 break
             schedule = self.scheduler.schedule()
-            if schedule.is_empty:  # every running sequence waits for the step in flight
+            # every schedule goes through the builder, even one that runs nothing: it may still have
+            # preempted or finished sequences, whose drops the builder sends with the next plan
+            plan = self.builder.build(schedule, llm.step)
+            if plan is None:  # every running sequence waits for the step in flight
                 if launched is None:
                     raise RuntimeError("scheduler made no progress (no sequence fits the KV pool)")
                 sampled, launched = self._sample(launched, timeline), None
                 continue
-            plan = self.builder.build(schedule, llm.step)
             t3 = time.perf_counter()
             broadcast_object(plan)
             t4 = time.perf_counter()

@@ -60,7 +60,7 @@ class ModelRunner:
         self.num_blocks = all_reduce_min(self._fit_num_blocks())
         self.kv_caches = allocate_kv_cache(self.spec, self.num_blocks, device)
         model.bind_kv_cache(self.kv_caches)
-        self.mirror = BlockTableMirror(max_blocks)
+        self.mirror = BlockTableMirror(max_blocks, settings.block_size)
         self.inputs: InputBuffers | None = None
         if device.type == "cuda":
             self.inputs = InputBuffers(max(settings.max_num_batched_tokens, settings.max_num_seqs),

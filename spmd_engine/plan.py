@@ -8,6 +8,14 @@ plans update, so a decode step ships a few bytes per sequence instead of whole t
 With async scheduling a plan is built before the previous step's sampled tokens reach the host:
 those inputs are *deferred*, and every rank fills them on the device from the previous step's
 tokens (which rank 0 broadcasts as a tensor) right before the forward.
+
+Invariant: every scheduler decision that changes a block table (admission, growth, preemption,
+finish) reaches every mirror before any forward that could read that table. A schedule with
+nothing to run (async: every running sequence waits for the step in flight) can still preempt or
+finish sequences; `PlanBuilder.build` returns no plan for it and sends those drops with the next
+plan (or the stop plan). Both ends check the invariant on every step: the builder that the table
+the mirrors hold is still the scheduler's (else a drop was lost), each mirror that its tables cover
+every KV slot the step touches.
 """
 from __future__ import annotations
 
@@ -18,6 +26,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from spmd_engine.scheduler import ScheduleOutput
+    from spmd_engine.sequence import Sequence
 
 COMMAND_FORWARD = "forward"
 COMMAND_STOP = "stop"
@@ -62,16 +71,39 @@ class StepPlan:
         return self.num_seqs > 0 and bool(np.all(self.query_lens == 1))
 
 
+@dataclass
+class _SentTable:
+    """What rank 0 knows of one sequence's table on the mirrors; enough to tell, at O(1) per step,
+    that it is still a prefix of the scheduler's table (the consistency check)."""
+
+    num_blocks: int
+    last_block: int  # its last block id (-1: empty)
+    num_preemptions: int  # the sequence's preemption count when the table was sent
+
+    def check(self, seq: Sequence, step: int) -> None:
+        """Raise if the scheduler freed or replaced this table without the mirrors being told."""
+        table, n = seq.block_table, self.num_blocks
+        if (seq.num_preemptions == self.num_preemptions and len(table) >= n
+                and (n == 0 or table[n - 1] == self.last_block)):
+            return
+        raise RuntimeError(
+            f"step {step}: seq {seq.seq_id}: the ranks' block table ({n} blocks, last {self.last_block}) is "
+            f"stale: the scheduler's now has {len(table)} blocks"
+            f"{f', last {table[n - 1]}' if 0 < n <= len(table) else ''} and the sequence was preempted "
+            f"{seq.num_preemptions - self.num_preemptions} time(s) since; a preemption or free never reached "
+            f"the plans, so attention would read the wrong KV blocks")
+
+
 class PlanBuilder:
     """Rank 0: turns a ScheduleOutput into a StepPlan, sending each block table only as deltas.
 
-    It remembers how many blocks of each sequence the mirrors already hold; a sequence it holds
-    no record of (new, or readmitted after preemption) is sent with `reset_tables` and its whole
-    table.
+    It remembers what each sequence's table on the mirrors is; a sequence it holds no record of
+    (new, or readmitted after preemption) is sent with `reset_tables` and its whole table.
     """
 
     def __init__(self) -> None:
-        self._sent: dict[int, int] = {}  # seq_id -> blocks the mirrors hold
+        self._sent: dict[int, _SentTable] = {}  # seq_id -> the table the mirrors hold
+        self._unsent_drops: list[int] = []  # dropped by schedules that ran nothing: go with the next plan
         self._sample_rows: dict[int, int] = {}  # seq_id -> its row in the last plan's sampled tokens
         self._num_sampled = 0
 
@@ -79,18 +111,30 @@ class PlanBuilder:
     def num_tracked(self) -> int:
         return len(self._sent)
 
+    @property
+    def num_unsent_drops(self) -> int:
+        return len(self._unsent_drops)
+
     def stop_plan(self, step: int) -> StepPlan:
         """The plan that ends every rank's step loop; it drops every table still held (a mirror
         that applies it is left empty for the next run)."""
-        dropped = np.fromiter(self._sent, dtype=np.int64, count=len(self._sent))
+        dropped = np.asarray(self._unsent_drops + list(self._sent), dtype=np.int64)
         self._sent.clear()
+        self._unsent_drops = []
         self._sample_rows, self._num_sampled = {}, 0
         return StepPlan(step=step, command=COMMAND_STOP, dropped_seq_ids=dropped)
 
-    def build(self, output: ScheduleOutput, step: int) -> StepPlan:
-        """Build the plan for every ScheduleOutput, even an empty one: it carries the drops."""
+    def build(self, output: ScheduleOutput, step: int) -> StepPlan | None:
+        """The plan for `output`; None when it runs nothing. Call it for *every* schedule: one that
+        runs nothing can still have preempted or finished sequences, and their drops are kept and
+        sent with the next plan (so a readmitted sequence is sent whole, never as a delta on a
+        table the scheduler freed)."""
         left = [s.seq_id for s in output.preempted] + list(output.finished_seq_ids)
-        dropped = [sid for sid in left if self._sent.pop(sid, None) is not None]
+        dropped = self._unsent_drops + [sid for sid in left if self._sent.pop(sid, None) is not None]
+        if output.is_empty:
+            self._unsent_drops = dropped
+            return None
+        self._unsent_drops = []
 
         num = output.num_seqs
         resets = np.zeros(num, dtype=np.bool_)
@@ -103,15 +147,17 @@ class PlanBuilder:
             zip(output.seqs, output.num_computed_before, output.num_new_tokens)
         ):
             table = seq.block_table
-            sent = self._sent.get(seq.seq_id)
-            if sent is None:
+            held = self._sent.get(seq.seq_id)
+            if held is None:
                 resets[b], sent = True, 0
-            elif len(table) < sent:
-                raise RuntimeError(f"seq {seq.seq_id}: block table shrank from {sent} to {len(table)} without a drop")
+            else:
+                held.check(seq, step)
+                sent = held.num_blocks
             if len(table) > sent:
                 new_ids.extend(table[sent:])
                 counts[b] = len(table) - sent
-            self._sent[seq.seq_id] = len(table)
+            if held is None or len(table) > sent:
+                self._sent[seq.seq_id] = _SentTable(len(table), table[-1] if table else -1, seq.num_preemptions)
             known = seq.token_ids[start : start + n]
             inputs.extend(known)
             if len(known) < n:  # the last input is the token the previous step is sampling
@@ -147,10 +193,13 @@ class PlanBuilder:
 class BlockTableMirror:
     """Every rank: the block tables rebuilt from plan deltas, identical to rank 0's on every rank."""
 
-    def __init__(self, max_blocks: int) -> None:
+    def __init__(self, max_blocks: int, block_size: int) -> None:
         if max_blocks < 1:
             raise ValueError(f"max_blocks must be >= 1, got {max_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.max_blocks = max_blocks
+        self.block_size = block_size
         self._rows: dict[int, np.ndarray] = {}  # seq_id -> [max_blocks] int32, zero padded
         self._lens: dict[int, int] = {}
 
@@ -161,13 +210,21 @@ class BlockTableMirror:
     def table(self, seq_id: int) -> list[int]:
         return self._rows[seq_id][: self._lens[seq_id]].tolist()
 
+    def tables(self) -> dict[int, list[int]]:
+        """Every table held (seq_id -> block ids): for tests and diagnostics, not the step path."""
+        return {sid: self.table(sid) for sid in self._rows}
+
     def apply(self, plan: StepPlan) -> np.ndarray:
-        """Apply drops, resets and appends; return this step's tables [B, max_blocks] int32 (0-padded)."""
+        """Apply drops, resets and appends; return this step's tables [B, max_blocks] int32 (0-padded).
+
+        Raises if a table does not cover the KV slots the step writes and reads: the padding would
+        otherwise send them to block 0, silently."""
         for sid in plan.dropped_seq_ids.tolist():
             self._rows.pop(sid, None)
             self._lens.pop(sid, None)
         offset = 0
         seq_ids = plan.seq_ids.tolist()
+        lens: list[int] = []
         for sid, reset, count in zip(seq_ids, plan.reset_tables.tolist(), plan.new_block_counts.tolist()):
             if reset:
                 self._rows[sid] = np.zeros(self.max_blocks, dtype=np.int32)
@@ -181,8 +238,20 @@ class BlockTableMirror:
                 self._rows[sid][start : start + count] = plan.new_block_ids[offset : offset + count]
                 self._lens[sid] = start + count
                 offset += count
+            lens.append(self._lens[sid])
         if offset != plan.new_block_ids.shape[0]:
             raise RuntimeError(f"step {plan.step}: {plan.new_block_ids.shape[0]} new block ids, used {offset}")
         if not seq_ids:
             return np.zeros((0, self.max_blocks), dtype=np.int32)
+        self._check_coverage(plan, np.asarray(lens, dtype=np.int64))
         return np.stack([self._rows[sid] for sid in seq_ids])
+
+    def _check_coverage(self, plan: StepPlan, lens: np.ndarray) -> None:
+        tokens = plan.num_computed.astype(np.int64) + plan.query_lens
+        short = np.flatnonzero(lens * self.block_size < tokens)
+        if short.size:
+            b = int(short[0])
+            raise RuntimeError(
+                f"step {plan.step}: seq {int(plan.seq_ids[b])}: this rank's block table holds {int(lens[b])} "
+                f"blocks of {self.block_size} tokens, but the step covers {int(tokens[b])} tokens; the "
+                f"block tables are out of step with the scheduler's")

@@ -50,18 +50,22 @@ def test_finished_and_preempted_are_dropped_once():
     builder.build(out, 0)
     sched.postprocess(out, {1: 7})
     assert a.finish_reason == "length" and builder.num_tracked == 1
-    plan = builder.build(sched.schedule(), 1)
-    assert plan.num_seqs == 0 and plan.dropped_seq_ids.tolist() == [1] and builder.num_tracked == 0
-    mirror = BlockTableMirror(8)
-    assert mirror.apply(plan).shape == (0, 8)
+    assert builder.build(sched.schedule(), 1) is None  # nothing to run: the drop waits for the next plan
+    assert builder.num_tracked == 0 and builder.num_unsent_drops == 1
+    b = Sequence(3, [8, 9])
+    sched.add(b)
+    plan = builder.build(sched.schedule(), 2)
+    assert plan.seq_ids.tolist() == [3] and plan.dropped_seq_ids.tolist() == [1] and builder.num_unsent_drops == 0
+    mirror = BlockTableMirror(8, 4)
+    assert mirror.apply(plan).shape == (1, 8)
     # a request that never reached a plan is not sent as dropped
     sched.add(Sequence(2, [1, 2]))
     assert sched.abort(2)
-    assert builder.build(sched.schedule(), 2).dropped_seq_ids.tolist() == []
+    assert builder.build(sched.schedule(), 3).dropped_seq_ids.tolist() == []
 
 
 def test_stop_plan_drops_every_table_still_held():
-    sched, builder, mirror = make(), PlanBuilder(), BlockTableMirror(8)
+    sched, builder, mirror = make(), PlanBuilder(), BlockTableMirror(8, 4)
     for i in range(3):
         sched.add(Sequence(i, [1, 2, 3]))
     mirror.apply(builder.build(sched.schedule(), 0))
@@ -74,7 +78,7 @@ def test_stop_plan_drops_every_table_still_held():
 
 
 def test_mirror_rejects_a_table_it_never_saw():
-    mirror = BlockTableMirror(4)
+    mirror = BlockTableMirror(4, 4)
     plan = StepPlan(step=5, seq_ids=np.array([9]), num_computed=np.array([4], np.int32),
                     query_lens=np.array([1], np.int32), input_ids=np.array([1], np.int32),
                     sample=np.array([True]), reset_tables=np.array([False]),
@@ -89,7 +93,7 @@ def test_mirror_tracks_scheduler_tables_through_preemption(seed):
     sched = make(max_num_seqs=rng.randint(2, 5), max_num_batched_tokens=rng.randint(4, 16),
                  num_blocks=rng.randint(8, 12))
     max_blocks = sched.config.max_blocks_per_seq
-    builder, mirror = PlanBuilder(), BlockTableMirror(max_blocks)
+    builder, mirror = PlanBuilder(), BlockTableMirror(max_blocks, sched.config.block_size)
     # a pickled round trip stands in for broadcast_object_list
     reqs = [Sequence(i, [rng.randrange(1, 9) for _ in range(rng.randint(1, 14))],
                      SamplingParams(max_tokens=rng.randint(1, 18), ignore_eos=True)) for i in range(30)]
@@ -98,7 +102,11 @@ def test_mirror_tracks_scheduler_tables_through_preemption(seed):
         if pending and rng.random() < 0.6:
             sched.add(pending.pop(0))
         out = sched.schedule()
-        plan = pickle.loads(pickle.dumps(builder.build(out, step)))
+        plan = builder.build(out, step)
+        if plan is None:  # nothing to run: only more requests can come
+            assert pending, "the scheduler made no progress"
+            continue
+        plan = pickle.loads(pickle.dumps(plan))
         tables = mirror.apply(plan)
         assert tables.shape == (out.num_seqs, max_blocks) and tables.dtype == np.int32
         for row, s in zip(tables, out.seqs):
@@ -112,7 +120,8 @@ def test_mirror_tracks_scheduler_tables_through_preemption(seed):
         step += 1
         assert step < 5000
     assert sched.num_preemptions > 0
-    mirror.apply(builder.build(sched.schedule(), step))  # the last finishes are dropped too
+    assert builder.build(sched.schedule(), step) is None
+    mirror.apply(builder.stop_plan(step))  # the last finishes are dropped too
     assert mirror.num_tables == 0 and builder.num_tracked == 0
 
 
