@@ -169,3 +169,59 @@ def test_known_and_deferred_inputs_mix_in_one_plan():
     sched.postprocess(first_out, {3: 77})
     third = builder.build(sched.schedule(), step=2)  # a's token 77 is known now; the step-1 ones are not
     assert third.input_ids.tolist() == [0, 0] and third.deferred_rows.tolist() == [0, 1]
+
+
+def _self_preempting_schedule(prefix_caching: bool):
+    """Async scheduling's corner: the one sequence that can run needs a block, the pool is full, so it
+    preempts itself while the other waits for its pending last token; the schedule runs nothing."""
+    sched = make(max_num_batched_tokens=32, num_blocks=8, enable_prefix_caching=prefix_caching)
+    builder = PlanBuilder()
+    a = Sequence(1, [5, 6, 7], SamplingParams(max_tokens=1))
+    b = Sequence(2, list(range(10, 38)), SamplingParams(max_tokens=4))  # 28 tokens: 7 blocks
+    sched.add(a)
+    sched.add(b)
+    first = sched.schedule()
+    plan = builder.build(first, 0)
+    assert plan.seq_ids.tolist() == [1, 2] and plan.sample.tolist() == [True, True]
+    sent_b = list(b.block_table)
+    second = sched.schedule()  # step 0 still in flight: a ends with its pending token, b needs block 8
+    assert second.is_empty and [s.seq_id for s in second.preempted] == [2]
+    return sched, builder, plan, first, second, sent_b
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_a_schedule_that_runs_nothing_sends_its_preemption_with_the_next_plan(prefix_caching):
+    sched, builder, first_plan, first, second, _ = _self_preempting_schedule(prefix_caching)
+    mirror = BlockTableMirror(8, 4)
+    mirror.apply(first_plan)
+    assert builder.build(second, 1) is None and builder.num_unsent_drops == 1
+    sched.postprocess(first, {1: 50, 2: 51})  # a finishes (length); b is readmitted below
+    third = sched.schedule()
+    plan = builder.build(third, 2)
+    assert sorted(plan.dropped_seq_ids.tolist()) == [1, 2]
+    assert plan.seq_ids.tolist() == [2] and plan.reset_tables.tolist() == [True]
+    b = third.seqs[0]
+    mirror.apply(plan)
+    assert mirror.tables() == {2: b.block_table}
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_a_drop_that_never_reached_the_plans_stops_the_job_naming_the_sequence(prefix_caching):
+    """The always-on check: had the engine skipped the empty schedule (as it once did), readmitting b
+    would have sent a delta on a table the scheduler freed; the builder refuses instead."""
+    sched, builder, _, first, _, _ = _self_preempting_schedule(prefix_caching)
+    # the empty schedule is lost here: its preemption of seq 2 never reaches the builder
+    sched.postprocess(first, {1: 50, 2: 51})
+    with pytest.raises(RuntimeError, match=r"step 2: seq 2: the ranks' block table \(7 blocks.*stale.*"
+                                           r"preempted 1 time"):
+        builder.build(sched.schedule(), 2)
+
+
+def test_mirror_rejects_a_table_that_does_not_cover_the_step():
+    mirror = BlockTableMirror(4, 4)
+    plan = StepPlan(step=3, seq_ids=np.array([7, 9]), num_computed=np.array([0, 0], np.int32),
+                    query_lens=np.array([4, 5], np.int32), input_ids=np.arange(9, dtype=np.int32),
+                    sample=np.array([True, True]), reset_tables=np.array([True, True]),
+                    new_block_counts=np.array([1, 1], np.int32), new_block_ids=np.array([2, 3], np.int32))
+    with pytest.raises(RuntimeError, match=r"step 3: seq 9: this rank's block table holds 1 blocks.* 5 tokens"):
+        mirror.apply(plan)

@@ -1,0 +1,156 @@
+"""The engine's own step loop (rank 0's `_Generation.run`) with a fake runner: every rank's block-table
+mirror must equal the scheduler's tables whenever a forward could read them, whatever the loop does.
+
+A schedule that runs nothing (async scheduling: every running sequence waits for the step in flight)
+can still preempt a sequence; the loop once skipped such schedules, the drop never reached the plans,
+and the readmitted sequence ran on stale KV blocks. This drives the real loop (scheduler, plan builder,
+async pipelining, sampler) over long runs with tiny KV pools and chunked prefill, in-process: the
+model is replaced by random logits and the other ranks by mirrors that apply each broadcast plan
+after a pickle round trip, as `_follow_plans` does.
+"""
+from __future__ import annotations
+
+import pickle
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import spmd_engine.engine as engine_module
+from spmd_engine.config import EngineConfig, ModelConfig, SamplingDefaults, WorkloadConfig
+from spmd_engine.engine import _Generation
+from spmd_engine.plan import COMMAND_STOP, BlockTableMirror, StepPlan
+from spmd_engine.progress import StepProgress
+from spmd_engine.prompts import PromptRequest
+
+VOCAB, EOS = 6, 1  # a tiny vocabulary: greedy tokens on random logits hit EOS now and then
+NUM_OTHER_RANKS = 2
+
+
+class FakeRunner:
+    """Stands in for ModelRunner on rank 0: applies each plan to rank 0's mirror, checks every mirror
+    against the scheduler, and returns random logits for the sampled rows."""
+
+    def __init__(self, num_blocks: int, max_blocks: int, block_size: int, seed: int) -> None:
+        self.num_blocks = num_blocks
+        self.mirror = BlockTableMirror(max_blocks, block_size)
+        self.others = [BlockTableMirror(max_blocks, block_size) for _ in range(NUM_OTHER_RANKS)]
+        self.logits = torch.Generator().manual_seed(seed)
+        self.scheduler = None  # the generation's, set once it exists
+        self.checked_steps = 0
+
+    def broadcast(self, plan: StepPlan) -> StepPlan:
+        """What broadcast_object does for the other ranks: each gets its own unpickled copy."""
+        for mirror in self.others:
+            mirror.apply(pickle.loads(pickle.dumps(plan)))
+        return plan
+
+    def stage(self, plan: StepPlan) -> StepPlan:
+        self.mirror.apply(plan)
+        expected = {s.seq_id: list(s.block_table) for s in self.scheduler.running}
+        for rank, mirror in enumerate([self.mirror, *self.others]):
+            assert mirror.tables() == expected, f"step {plan.step}: rank {rank}'s block tables differ from the scheduler's"
+        self.checked_steps += 1
+        return plan
+
+    def launch(self, plan: StepPlan, prev_tokens: torch.Tensor | None) -> torch.Tensor | None:
+        if plan.num_prev_sampled:
+            assert prev_tokens is not None and prev_tokens.shape[0] >= plan.num_prev_sampled
+        rows = int(plan.sample.sum())
+        return torch.randn(rows, VOCAB, generator=self.logits) if rows else None
+
+
+def run_loop(prompts: list[list[int]], max_tokens: list[int], *, block_size: int, num_blocks: int,
+             max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int, prefix_caching: bool,
+             async_scheduling: bool, seed: int = 0, ignore_eos: bool = False) -> tuple[FakeRunner, _Generation]:
+    cfg = EngineConfig(model=ModelConfig("fake", None, "dummy", {}), workload=WorkloadConfig("chat"),
+                       sampling=SamplingDefaults(temperature=0.0, max_tokens=16, ignore_eos=ignore_eos),
+                       block_size=block_size, num_kv_blocks=num_blocks, max_num_seqs=max_num_seqs,
+                       max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                       enable_prefix_caching=prefix_caching, async_scheduling=async_scheduling, device="cpu")
+    runner = FakeRunner(num_blocks, -(-max_model_len // block_size), block_size, seed)
+    llm = SimpleNamespace(cfg=cfg, max_model_len=max_model_len, runner=runner, block_manager=None,
+                          shape=SimpleNamespace(eos_token_ids=[EOS], vocab_size=VOCAB), device=torch.device("cpu"),
+                          step=0, step_progress=StepProgress(), faults=SimpleNamespace(before_step=lambda step: None))
+    requests = [PromptRequest(i, None, p, {"max_tokens": m}) for i, (p, m) in enumerate(zip(prompts, max_tokens))]
+    gen = _Generation(llm, requests, None, None, False)
+    runner.scheduler = gen.scheduler
+    stops: list[StepPlan] = []
+
+    def broadcast(plan: StepPlan) -> StepPlan:
+        if plan.command == COMMAND_STOP:
+            stops.append(plan)
+        return runner.broadcast(plan)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(engine_module, "broadcast_object", broadcast)
+        outs = gen.run()
+    assert [o.error for o in outs] == [None] * len(prompts)
+    for out, limit in zip(outs, max_tokens):
+        assert 1 <= len(out.token_ids) <= limit and out.finish_reason in ("stop", "length")
+        assert out.finish_reason == "length" or out.token_ids[-1] == EOS
+    assert len(stops) == 1 and all(m.num_tables == 0 for m in [runner.mirror, *runner.others])
+    assert gen.scheduler.block_manager.num_used_blocks == 0
+    return runner, gen
+
+
+def count_idle_preemptions(gen: _Generation) -> list[int]:
+    """Wrap the generation's scheduler: count schedules that run nothing yet preempt (the corner case)."""
+    seen = [0]
+    schedule = gen.scheduler.schedule
+
+    def counting():
+        out = schedule()
+        seen[0] += int(out.is_empty and bool(out.preempted))
+        return out
+
+    gen.scheduler.schedule = counting
+    return seen
+
+
+def test_a_self_preempting_idle_schedule_reaches_every_mirror():
+    """The case from the issue, made small: one sequence grows into a full pool and preempts itself
+    while the other waits for its last pending token, in a schedule that runs nothing."""
+    seen: list[int] = []
+    original = _Generation.run
+
+    def run_counting(self):
+        seen.append(count_idle_preemptions(self))
+        return original(self)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_Generation, "run", run_counting)
+        for prefix_caching in (True, False):
+            runner, gen = run_loop([[2, 3, 4], list(range(2, 6)) * 7], [1, 4], block_size=4, num_blocks=8,
+                                   max_model_len=32, max_num_batched_tokens=32, max_num_seqs=4,
+                                   prefix_caching=prefix_caching, async_scheduling=True, ignore_eos=True)
+            assert gen.scheduler.num_preemptions >= 1 and runner.checked_steps > 3
+    assert [box[0] for box in seen] == [1, 1]  # the corner case did happen, in both runs
+
+
+@st.composite
+def workloads(draw):
+    block_size = draw(st.sampled_from([1, 2, 4]))
+    max_model_len = draw(st.integers(8, 40))
+    per_seq = -(-max_model_len // block_size)
+    num_blocks = per_seq + draw(st.integers(0, per_seq))  # one to two full sequences: heavy preemption
+    bases = [draw(st.lists(st.integers(2, VOCAB - 1), min_size=max_model_len, max_size=max_model_len))
+             for _ in range(2)]  # prompts share prefixes, so the prefix cache hits and frees shared blocks
+    num = draw(st.integers(1, 9))
+    prompts = [bases[draw(st.integers(0, 1))][: draw(st.integers(1, max_model_len - 1))] for _ in range(num)]
+    max_tokens = [draw(st.integers(1, 24)) for _ in range(num)]
+    return dict(prompts=prompts, max_tokens=max_tokens, block_size=block_size, num_blocks=num_blocks,
+                max_model_len=max_model_len, max_num_batched_tokens=draw(st.integers(1, 24)),
+                max_num_seqs=draw(st.integers(1, 6)), prefix_caching=draw(st.booleans()),
+                async_scheduling=draw(st.sampled_from([True, True, False])), seed=draw(st.integers(0, 2**16)),
+                ignore_eos=draw(st.booleans()))
+
+
+# derandomize: CI must not fail on a run of luck; new cases are found by raising max_examples locally
+@settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(workloads())
+def test_every_mirror_equals_the_scheduler_tables_at_every_step(workload):
+    run_loop(**workload)
