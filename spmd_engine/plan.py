@@ -20,7 +20,7 @@ every KV slot the step touches.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -71,27 +71,23 @@ class StepPlan:
         return self.num_seqs > 0 and bool(np.all(self.query_lens == 1))
 
 
-@dataclass
-class _SentTable:
-    """What rank 0 knows of one sequence's table on the mirrors; enough to tell, at O(1) per step,
-    that it is still a prefix of the scheduler's table (the consistency check)."""
+class _SentTable(NamedTuple):
+    """What rank 0 knows of one sequence's table on the mirrors: enough to tell in O(1) that it is
+    still a prefix of the scheduler's table (a tuple: checked for every sequence of every step)."""
 
     num_blocks: int
     last_block: int  # its last block id (-1: empty)
     num_preemptions: int  # the sequence's preemption count when the table was sent
 
-    def check(self, seq: Sequence, step: int) -> None:
-        """Raise if the scheduler freed or replaced this table without the mirrors being told."""
-        table, n = seq.block_table, self.num_blocks
-        if (seq.num_preemptions == self.num_preemptions and len(table) >= n
-                and (n == 0 or table[n - 1] == self.last_block)):
-            return
-        raise RuntimeError(
-            f"step {step}: seq {seq.seq_id}: the ranks' block table ({n} blocks, last {self.last_block}) is "
-            f"stale: the scheduler's now has {len(table)} blocks"
-            f"{f', last {table[n - 1]}' if 0 < n <= len(table) else ''} and the sequence was preempted "
-            f"{seq.num_preemptions - self.num_preemptions} time(s) since; a preemption or free never reached "
-            f"the plans, so attention would read the wrong KV blocks")
+
+def _stale_table(held: _SentTable, seq: Sequence, step: int) -> RuntimeError:
+    table, n = seq.block_table, held.num_blocks
+    return RuntimeError(
+        f"step {step}: seq {seq.seq_id}: the ranks' block table ({n} blocks, last {held.last_block}) is "
+        f"stale: the scheduler's now has {len(table)} blocks"
+        f"{f', block {n - 1} = {table[n - 1]}' if 0 < n <= len(table) else ''}, and the sequence was "
+        f"preempted {seq.num_preemptions - held.num_preemptions} time(s) since; a preemption or free "
+        f"never reached the plans, so attention would read the wrong KV blocks")
 
 
 class PlanBuilder:
@@ -150,14 +146,16 @@ class PlanBuilder:
             held = self._sent.get(seq.seq_id)
             if held is None:
                 resets[b], sent = True, 0
-            else:
-                held.check(seq, step)
-                sent = held.num_blocks
+            else:  # the consistency check: the mirrors' table must still be a prefix of this one
+                sent, last, preemptions = held
+                if preemptions != seq.num_preemptions or len(table) < sent or (sent and table[sent - 1] != last):
+                    raise _stale_table(held, seq, step)
             if len(table) > sent:
                 new_ids.extend(table[sent:])
                 counts[b] = len(table) - sent
-            if held is None or len(table) > sent:
-                self._sent[seq.seq_id] = _SentTable(len(table), table[-1] if table else -1, seq.num_preemptions)
+                self._sent[seq.seq_id] = _SentTable(len(table), table[-1], seq.num_preemptions)
+            elif held is None:
+                self._sent[seq.seq_id] = _SentTable(0, -1, seq.num_preemptions)
             known = seq.token_ids[start : start + n]
             inputs.extend(known)
             if len(known) < n:  # the last input is the token the previous step is sampling
@@ -224,7 +222,6 @@ class BlockTableMirror:
             self._lens.pop(sid, None)
         offset = 0
         seq_ids = plan.seq_ids.tolist()
-        lens: list[int] = []
         for sid, reset, count in zip(seq_ids, plan.reset_tables.tolist(), plan.new_block_counts.tolist()):
             if reset:
                 self._rows[sid] = np.zeros(self.max_blocks, dtype=np.int32)
@@ -238,20 +235,20 @@ class BlockTableMirror:
                 self._rows[sid][start : start + count] = plan.new_block_ids[offset : offset + count]
                 self._lens[sid] = start + count
                 offset += count
-            lens.append(self._lens[sid])
         if offset != plan.new_block_ids.shape[0]:
             raise RuntimeError(f"step {plan.step}: {plan.new_block_ids.shape[0]} new block ids, used {offset}")
         if not seq_ids:
             return np.zeros((0, self.max_blocks), dtype=np.int32)
-        self._check_coverage(plan, np.asarray(lens, dtype=np.int64))
+        # int32 is enough: a table holds at most max_model_len tokens
+        lens = np.fromiter(map(self._lens.__getitem__, seq_ids), dtype=np.int32, count=len(seq_ids))
+        tokens = plan.num_computed + plan.query_lens
+        if (lens * self.block_size < tokens).any():
+            self._raise_short(plan, lens, tokens)
         return np.stack([self._rows[sid] for sid in seq_ids])
 
-    def _check_coverage(self, plan: StepPlan, lens: np.ndarray) -> None:
-        tokens = plan.num_computed.astype(np.int64) + plan.query_lens
-        short = np.flatnonzero(lens * self.block_size < tokens)
-        if short.size:
-            b = int(short[0])
-            raise RuntimeError(
-                f"step {plan.step}: seq {int(plan.seq_ids[b])}: this rank's block table holds {int(lens[b])} "
-                f"blocks of {self.block_size} tokens, but the step covers {int(tokens[b])} tokens; the "
-                f"block tables are out of step with the scheduler's")
+    def _raise_short(self, plan: StepPlan, lens: np.ndarray, tokens: np.ndarray) -> None:
+        b = int(np.flatnonzero(lens * self.block_size < tokens)[0])
+        raise RuntimeError(
+            f"step {plan.step}: seq {int(plan.seq_ids[b])}: this rank's block table holds {int(lens[b])} "
+            f"blocks of {self.block_size} tokens, but the step covers {int(tokens[b])} tokens; the "
+            f"block tables are out of step with the scheduler's")
