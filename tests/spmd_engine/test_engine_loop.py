@@ -41,6 +41,7 @@ class FakeRunner:
         self.logits = torch.Generator().manual_seed(seed)
         self.scheduler = None  # the generation's, set once it exists
         self.checked_steps = 0
+        self.idle_preemptions = 0
 
     def broadcast(self, plan: StepPlan) -> StepPlan:
         """What broadcast_object does for the other ranks: each gets its own unpickled copy."""
@@ -78,6 +79,14 @@ def run_loop(prompts: list[list[int]], max_tokens: list[int], *, block_size: int
     requests = [PromptRequest(i, None, p, {"max_tokens": m}) for i, (p, m) in enumerate(zip(prompts, max_tokens))]
     gen = _Generation(llm, requests, None, None, False)
     runner.scheduler = gen.scheduler
+    schedule = gen.scheduler.schedule
+
+    def counting_schedule():  # schedules that run nothing yet preempt: the case the loop once lost
+        out = schedule()
+        runner.idle_preemptions += int(out.is_empty and bool(out.preempted))
+        return out
+
+    gen.scheduler.schedule = counting_schedule
     stops: list[StepPlan] = []
 
     def broadcast(plan: StepPlan) -> StepPlan:
@@ -97,38 +106,30 @@ def run_loop(prompts: list[list[int]], max_tokens: list[int], *, block_size: int
     return runner, gen
 
 
-def count_idle_preemptions(gen: _Generation) -> list[int]:
-    """Wrap the generation's scheduler: count schedules that run nothing yet preempt (the corner case)."""
-    seen = [0]
-    schedule = gen.scheduler.schedule
-
-    def counting():
-        out = schedule()
-        seen[0] += int(out.is_empty and bool(out.preempted))
-        return out
-
-    gen.scheduler.schedule = counting
-    return seen
-
-
-def test_a_self_preempting_idle_schedule_reaches_every_mirror():
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_a_self_preempting_idle_schedule_reaches_every_mirror(prefix_caching):
     """The case from the issue, made small: one sequence grows into a full pool and preempts itself
     while the other waits for its last pending token, in a schedule that runs nothing."""
-    seen: list[int] = []
-    original = _Generation.run
+    runner, gen = run_loop([[2, 3, 4], list(range(2, 6)) * 7], [1, 4], block_size=4, num_blocks=8,
+                           max_model_len=32, max_num_batched_tokens=32, max_num_seqs=4,
+                           prefix_caching=prefix_caching, async_scheduling=True, ignore_eos=True)
+    assert runner.idle_preemptions == 1 and gen.scheduler.num_preemptions == 1 and runner.checked_steps > 3
 
-    def run_counting(self):
-        seen.append(count_idle_preemptions(self))
-        return original(self)
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_Generation, "run", run_counting)
-        for prefix_caching in (True, False):
-            runner, gen = run_loop([[2, 3, 4], list(range(2, 6)) * 7], [1, 4], block_size=4, num_blocks=8,
-                                   max_model_len=32, max_num_batched_tokens=32, max_num_seqs=4,
-                                   prefix_caching=prefix_caching, async_scheduling=True, ignore_eos=True)
-            assert gen.scheduler.num_preemptions >= 1 and runner.checked_steps > 3
-    assert [box[0] for box in seen] == [1, 1]  # the corner case did happen, in both runs
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_a_long_run_in_a_tiny_pool_keeps_every_mirror_in_step(prefix_caching):
+    """40 requests, half of them sharing a prefix, through a pool of 1.5 full sequences (12 blocks of
+    4 tokens, max_model_len 32) in 16-token chunks, async: hundreds of steps, dozens of preemptions."""
+    import random
+
+    rng = random.Random(11)
+    base = [rng.randrange(2, VOCAB) for _ in range(31)]
+    prompts = [base[: rng.randint(1, 31)] if rng.random() < 0.5 else
+               [rng.randrange(2, VOCAB) for _ in range(rng.randint(1, 31))] for _ in range(40)]
+    runner, gen = run_loop(prompts, [rng.randint(1, 30) for _ in prompts], block_size=4, num_blocks=12,
+                           max_model_len=32, max_num_batched_tokens=16, max_num_seqs=8,
+                           prefix_caching=prefix_caching, async_scheduling=True, seed=3, ignore_eos=True)
+    assert runner.checked_steps > 200 and gen.scheduler.num_preemptions > 40 and runner.idle_preemptions > 0
 
 
 @st.composite
@@ -139,9 +140,9 @@ def workloads(draw):
     num_blocks = per_seq + draw(st.integers(0, per_seq))  # one to two full sequences: heavy preemption
     bases = [draw(st.lists(st.integers(2, VOCAB - 1), min_size=max_model_len, max_size=max_model_len))
              for _ in range(2)]  # prompts share prefixes, so the prefix cache hits and frees shared blocks
-    num = draw(st.integers(1, 9))
+    num = draw(st.integers(3, 16))
     prompts = [bases[draw(st.integers(0, 1))][: draw(st.integers(1, max_model_len - 1))] for _ in range(num)]
-    max_tokens = [draw(st.integers(1, 24)) for _ in range(num)]
+    max_tokens = [draw(st.integers(1, 40)) for _ in range(num)]
     return dict(prompts=prompts, max_tokens=max_tokens, block_size=block_size, num_blocks=num_blocks,
                 max_model_len=max_model_len, max_num_batched_tokens=draw(st.integers(1, 24)),
                 max_num_seqs=draw(st.integers(1, 6)), prefix_caching=draw(st.booleans()),
