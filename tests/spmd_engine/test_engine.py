@@ -6,7 +6,7 @@ recompute preemption) must leave the greedy tokens exactly where transformers pu
 from __future__ import annotations
 
 import json
-import tempfile
+import random
 from pathlib import Path
 
 import pytest
@@ -123,11 +123,9 @@ PRESSURE_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def rope_scaled() -> tuple[Path, list[list[int]], list[list[int]]]:
+def rope_scaled(tmp_path_factory) -> tuple[Path, list[list[int]], list[list[int]]]:
     """A tiny Llama-3-rope-scaled checkpoint, long prompts for its pool, and HF's greedy tokens."""
-    import random
-
-    path = make_tiny_checkpoint(Path(tempfile.mkdtemp(prefix="rope-scaled-")) / "ckpt", arch="llama",
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("rope-scaled") / "ckpt", arch="llama",
                                 max_position_embeddings=256, tokenizer=False,
                                 rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
                                               "high_freq_factor": 4.0, "original_max_position_embeddings": 64})

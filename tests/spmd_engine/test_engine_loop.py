@@ -11,9 +11,9 @@ after a pickle round trip, as `_follow_plans` does.
 from __future__ import annotations
 
 import pickle
+import random
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -53,7 +53,7 @@ class FakeRunner:
         self.mirror.apply(plan)
         expected = {s.seq_id: list(s.block_table) for s in self.scheduler.running}
         for rank, mirror in enumerate([self.mirror, *self.others]):
-            assert mirror.tables() == expected, f"step {plan.step}: rank {rank}'s block tables differ from the scheduler's"
+            assert mirror.tables() == expected, f"step {plan.step}: rank {rank}'s tables differ from the scheduler's"
         self.checked_steps += 1
         return plan
 
@@ -120,8 +120,6 @@ def test_a_self_preempting_idle_schedule_reaches_every_mirror(prefix_caching):
 def test_a_long_run_in_a_tiny_pool_keeps_every_mirror_in_step(prefix_caching):
     """40 requests, half of them sharing a prefix, through a pool of 1.5 full sequences (12 blocks of
     4 tokens, max_model_len 32) in 16-token chunks, async: hundreds of steps, dozens of preemptions."""
-    import random
-
     rng = random.Random(11)
     base = [rng.randrange(2, VOCAB) for _ in range(31)]
     prompts = [base[: rng.randint(1, 31)] if rng.random() < 0.5 else
