@@ -55,3 +55,34 @@ def test_config_errors_are_agreed_by_every_rank(fault_ckpt: Path, tmp_path: Path
             (name, lines)
         assert rank1.stderr.strip() == "" and "Traceback" not in rank0.stdout + rank1.stdout, launch.describe()
         assert "loaded" not in rank0.stdout, launch.describe()  # stopped before the weights
+
+
+def test_bad_command_line_values_end_every_rank_before_the_weights(fault_ckpt: Path, tmp_path: Path):
+    """Job-wide sampling defaults and unknown keys are config errors (exit 2 on every rank, one line,
+    metrics status failed), not one failed row per request under status ok."""
+    cases = {  # name -> (override, words of rank 0's one line)
+        "max-tokens-0": ("sampling.max_tokens=0", ["sampling.max_tokens must be >= 1", "got 0"]),
+        "max-tokens-abc": ("sampling.max_tokens=abc", ["sampling.max_tokens must be >= 1", "'abc'"]),
+        "temperature-negative": ("sampling.temperature=-1", ["sampling.temperature must be >= 0"]),
+        "unknown-key": ("+block_sise=16", ["unknown config key block_sise", "did you mean block_size?"]),
+    }
+    launches = {}
+    for name, (override, _) in cases.items():
+        args = ["model=qwen3", f"model.path={fault_ckpt}", "device=cpu", "num_kv_blocks=64", "max_model_len=64",
+                "dist_timeout_s=30", f"hydra.run.dir={tmp_path / name}", override]
+        launches[name] = start_plain(name, args, tmp_path)
+    finish(list(launches.values()), timeout_s=120)
+
+    for name, (_, words) in cases.items():
+        launch = launches[name]
+        rank0, rank1 = launch.procs
+        assert launch.returncodes == [2, 2], launch.describe()
+        lines = rank0.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and all(w in lines[0] for w in words), \
+            (name, lines)
+        assert "__init__" not in lines[0] and "keyword argument" not in lines[0], lines
+        assert rank1.stderr.strip() == "" and "Traceback" not in rank0.stdout + rank1.stdout, launch.describe()
+        assert "loaded" not in rank0.stdout, launch.describe()  # stopped before the weights
+        metrics = json.loads((tmp_path / name / "metrics.json").read_text())
+        assert metrics["status"] == "failed" and all(w in metrics["error"] for w in words), metrics
+        assert not (tmp_path / name / "outputs.jsonl").exists()
