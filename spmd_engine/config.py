@@ -105,6 +105,31 @@ class EngineConfig:
         _check(self.workload.name in ("chat", "bench"), f"workload must be chat or bench, got {self.workload.name!r}")
 
 
+@dataclass(frozen=True)
+class StartupSettings:
+    """What the process group and the watchdog need before the config is checked: the ranks first meet,
+    then agree on the config (one rank's error ends every rank together, each after rank 0 wrote its files)."""
+
+    device: str
+    dist_timeout_s: float
+    timeout_s: float  # the process group's collective timeout
+
+
+def startup_settings(raw: dict[str, Any]) -> StartupSettings:
+    """Lenient read of `device` and the timeouts from a raw config (a bad value: the default; the strict
+    check that names it follows once the ranks have met)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+
+    def seconds(key: str) -> float:
+        value = raw.get(key)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")
+        return float(value) if ok else float(defaults[key])
+
+    device = raw.get("device") if raw.get("device") in ("auto", "cuda", "cpu") else defaults["device"]
+    dist_timeout_s = seconds("dist_timeout_s")
+    return StartupSettings(device, dist_timeout_s, max(dist_timeout_s, seconds("startup_timeout_s")))
+
+
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)

@@ -6,7 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
-from tests.faults.launches import finish, start_plain
+from tests.faults.launches import finish, start_plain, start_torchrun
 from tests.helpers.tiny_checkpoints import make_tiny_checkpoint
 
 
@@ -86,3 +86,26 @@ def test_bad_command_line_values_end_every_rank_before_the_weights(fault_ckpt: P
         metrics = json.loads((tmp_path / name / "metrics.json").read_text())
         assert metrics["status"] == "failed" and all(w in metrics["error"] for w in words), metrics
         assert not (tmp_path / name / "outputs.jsonl").exists()
+
+
+def test_under_torchrun_the_error_line_closes_the_output(fault_ckpt: Path, tmp_path: Path):
+    """torchrun prints its ChildFailedError summary after everything the ranks printed; each rank's
+    torchelastic error file makes the summary's last entry (the root cause's traceback, just above its
+    closing border) the job's one error line, and every rank's exit code is the user-error 2."""
+    args = ["model=qwen3", f"model.path={fault_ckpt}", "device=cpu", "num_kv_blocks=64", "max_model_len=64",
+            f"hydra.run.dir={tmp_path / 'job'}", "sampling.top_p=1.5"]
+    launch = start_torchrun("torchrun-config-error", args, tmp_path)
+    finish([launch], timeout_s=120)
+    proc = launch.procs[0]
+    assert proc.returncode == 1, launch.describe()  # torchrun's own exit code for a failed launch
+    line = "error: sampling.top_p must be in (0, 1], got 1.5"
+    stderr_lines = [text.strip() for text in proc.stderr.splitlines() if text.strip()]
+    assert stderr_lines.count(line) == 1, launch.describe()  # rank 0 said it once, before torchrun's summary
+    # the last non-empty line that is not torchrun's closing border (only '=') holds the reason
+    *_, last_words, border = stderr_lines
+    assert set(border) == {"="} and last_words.endswith(line), launch.describe()
+    assert "Root Cause" in proc.stderr and "To enable traceback" not in proc.stderr, launch.describe()
+    assert proc.stderr.count("exitcode  : 2 ") == 2, launch.describe()  # both ranks exited 2, none SIGTERMed
+    assert proc.stderr.count("Traceback (most recent call last)") == 1, launch.describe()  # torchrun's, no rank's
+    metrics = json.loads((tmp_path / "job" / "metrics.json").read_text())
+    assert metrics["status"] == "failed" and metrics["error"] in line, metrics
