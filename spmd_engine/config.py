@@ -172,6 +172,8 @@ def _typed(name: str, value: Any, annotation: Any) -> Any:
     is_bool = isinstance(value, bool)
     if kind is float and isinstance(value, int) and not is_bool:
         return float(value)
+    if kind is str and isinstance(value, (int, float)) and not is_bool:
+        return str(value)  # Hydra reads prompts_file=123 as a number; the name is still text
     if isinstance(value, kind) and (kind is bool or not is_bool):
         return value
     null = " or null" if optional else ""
@@ -226,11 +228,11 @@ def engine_config_from_dict(cfg: dict[str, Any]) -> EngineConfig:
     cfg = dict(cfg)
     cfg.pop("hydra", None)
     for section in _SECTIONS:
-        if section in cfg and not isinstance(cfg[section], dict):
+        if cfg.get(section) is not None and not isinstance(cfg[section], dict):
             raise ConfigError(f"{section} must be a group of keys ({section}.KEY=VALUE), got {cfg[section]!r}")
-    model = dict(cfg.pop("model"))
-    workload = dict(cfg.pop("workload", {"name": "chat"}))
-    sampling = dict(cfg.pop("sampling", {}) or {})
+    model = dict(cfg.pop("model", None) or {})
+    workload = dict(cfg.pop("workload", None) or {"name": "chat"})
+    sampling = dict(cfg.pop("sampling", None) or {})
     hints = typing.get_type_hints(EngineConfig)
     top_level = [f.name for f in dataclasses.fields(EngineConfig) if f.name not in _SECTIONS]
     _reject_unknown(cfg, top_level + list(_SECTIONS))

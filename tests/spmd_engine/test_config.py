@@ -86,6 +86,7 @@ def test_sampling_defaults_keep_float_fields_float():
     ("enable_prefix_caching", "maybe", "enable_prefix_caching must be true or false, got 'maybe'"),
     ("gpu_memory_utilization", "high", "gpu_memory_utilization must be a number, got 'high'"),
     ("dist_timeout_s", True, "dist_timeout_s must be a number, got True"),
+    ("attention_backend", ["torch"], "attention_backend must be a string, got ['torch']"),
 ])
 def test_values_of_the_wrong_type_are_named(key, value, line):
     with pytest.raises(ConfigError) as err:
@@ -130,3 +131,22 @@ def test_tp_reduce_dtype_defaults_to_float32_in_code_and_yaml():
 
     assert engine_config_from_dict(base()).tp_reduce_dtype == "float32"
     assert OmegaConf.load(REPO / "conf" / "config.yaml").tp_reduce_dtype == "float32"
+
+
+def test_a_number_where_text_is_wanted_is_text():
+    """Hydra reads prompts_file=123 as an int; it is still a file name (and dtype=16 is named by validate)."""
+    assert engine_config_from_dict(base(prompts_file=123)).prompts_file == "123"
+    with pytest.raises(ConfigError) as err:
+        engine_config_from_dict(base(dtype=16)).validate(1)
+    assert str(err.value) == "dtype must be one of auto|bfloat16|float16|float32, got '16'"
+
+
+def test_startup_settings_read_leniently():
+    from spmd_engine.config import startup_settings
+
+    assert startup_settings({"device": "cpu", "dist_timeout_s": 5, "startup_timeout_s": 60}) == \
+        startup_settings({"device": "cpu", "dist_timeout_s": 5.0, "startup_timeout_s": 60.0})
+    good = startup_settings({"device": "cpu", "dist_timeout_s": 5, "startup_timeout_s": 60})
+    assert (good.device, good.dist_timeout_s, good.timeout_s) == ("cpu", 5.0, 60.0)
+    bad = startup_settings({"device": "tpu", "dist_timeout_s": "abc", "startup_timeout_s": -1})
+    assert (bad.device, bad.dist_timeout_s, bad.timeout_s) == ("auto", 45.0, 600.0)  # the defaults
