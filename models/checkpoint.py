@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
+
+# a hub repo id as `hf download` takes it: "org/name" (no leading ./, ../, / or ~; one slash)
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
@@ -30,6 +34,11 @@ def _cached_snapshot(repo_id: str, cache: Path) -> Path | None:
         return None
 
 
+def looks_like_hub_id(text: str) -> bool:
+    """`org/name` and nothing a user would type as a path (absolute, ./, ../, ~, several levels)."""
+    return HUB_ID.fullmatch(text) is not None and not text.split("/")[0] in (".", "..")
+
+
 def resolve_checkpoint(path_or_hub_id: str) -> Path:
     """A directory with config.json: `path_or_hub_id` itself, or its snapshot in the local HF cache."""
     local = Path(path_or_hub_id).expanduser()
@@ -41,6 +50,9 @@ def resolve_checkpoint(path_or_hub_id: str) -> Path:
     snapshot = _cached_snapshot(path_or_hub_id, cache)
     if snapshot is not None and (snapshot / "config.json").is_file():
         return snapshot
+    if not looks_like_hub_id(path_or_hub_id):  # a filesystem path: offering a download of it misleads
+        raise FileNotFoundError(f"model.path={path_or_hub_id!r}: no such directory (give a checkpoint directory "
+                                f"with config.json, or a hub id like Qwen/Qwen3-0.6B from the local HF cache)")
     raise FileNotFoundError(
         f"model.path={path_or_hub_id!r}: no directory with config.json there and not in the local HF cache "
         f"({cache}); download it with `hf download {path_or_hub_id}` on a machine with hub access "

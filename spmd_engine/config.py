@@ -5,6 +5,11 @@ one clear line, not a traceback after minutes of loading.
 """
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import types
+import typing
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,37 +105,157 @@ class EngineConfig:
         _check(self.workload.name in ("chat", "bench"), f"workload must be chat or bench, got {self.workload.name!r}")
 
 
+@dataclass(frozen=True)
+class StartupSettings:
+    """What the process group and the watchdog need before the config is checked: the ranks first meet,
+    then agree on the config (one rank's error ends every rank together, each after rank 0 wrote its files)."""
+
+    device: str
+    dist_timeout_s: float
+    timeout_s: float  # the process group's collective timeout
+
+
+def startup_settings(raw: dict[str, Any]) -> StartupSettings:
+    """Lenient read of `device` and the timeouts from a raw config (a bad value: the default; the strict
+    check that names it follows once the ranks have met)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+
+    def seconds(key: str) -> float:
+        value = raw.get(key)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")
+        return float(value) if ok else float(defaults[key])
+
+    device = raw.get("device") if raw.get("device") in ("auto", "cuda", "cpu") else defaults["device"]
+    dist_timeout_s = seconds("dist_timeout_s")
+    return StartupSettings(device, dist_timeout_s, max(dist_timeout_s, seconds("startup_timeout_s")))
+
+
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
 
 
+_SECTIONS = ("model", "workload", "sampling")  # nested groups; every other key is an EngineConfig field
+_MODEL_KEYS = ("name", "path", "load_format", "hf_config")
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _reject_unknown(keys: Iterable[str], known: Iterable[str], prefix: str = "") -> None:
+    """One line naming the first unknown key (with its near miss in `known`), never a Python signature."""
+    known = list(known)
+    for key in keys:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
+            hint = (f"; did you mean {prefix}{close[0]}?" if close
+                    else f" (known: {', '.join(prefix + k for k in known)})")
+            raise ConfigError(f"unknown config key {prefix}{key}{hint}")
+
+
+def _scalar_type(annotation: Any) -> tuple[type | None, bool]:
+    """(int/float/bool/str or None for anything else, whether null is allowed) of a field annotation."""
+    args = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else ()
+    optional = type(None) in args
+    inner = [a for a in args if a is not type(None)] if args else [annotation]
+    kind = inner[0] if len(inner) == 1 and inner[0] in _TYPE_NAMES else None
+    return kind, optional
+
+
+def _typed(name: str, value: Any, annotation: Any) -> Any:
+    """`value` as the field's scalar type (an int where a float is wanted becomes a float), or ConfigError.
+
+    Why: Hydra hands over `block_size=abc` as the string 'abc'; it must be named here, not surface
+    as a TypeError deep in a check or in the model build.
+    """
+    kind, optional = _scalar_type(annotation)
+    if kind is None or (value is None and optional):
+        return value
+    is_bool = isinstance(value, bool)
+    if kind is float and isinstance(value, int) and not is_bool:
+        return float(value)
+    if kind is str and isinstance(value, (int, float)) and not is_bool:
+        return str(value)  # Hydra reads prompts_file=123 as a number; the name is still text
+    if isinstance(value, kind) and (kind is bool or not is_bool):
+        return value
+    null = " or null" if optional else ""
+    raise ConfigError(f"{name} must be {_TYPE_NAMES[kind]}{null}, got {value!r}")
+
+
+# workload=bench keys (conf/workload/bench.yaml) -> (type, lower limit, the key whose value is the lower limit)
+BENCH_PARAMS: dict[str, tuple[type, float | None, str | None]] = {
+    "num_seqs": (int, 1, None), "min_input_len": (int, 1, None), "max_input_len": (int, None, "min_input_len"),
+    "min_output_len": (int, 1, None), "max_output_len": (int, None, "min_output_len"),
+    "token_id_max": (int, 0, None), "random_seed": (int, None, None), "temperature": (float, 0, None),
+    "warmup": (bool, None, None),
+}
+
+
+def _workload_params(name: str, params: dict[str, Any]) -> dict[str, Any]:
+    """`workload.*` keys of the chosen workload, typed and within limits (chat takes none but its name)."""
+    known = BENCH_PARAMS if name == "bench" else {}
+    if params and not known:
+        raise ConfigError(f"unknown config key workload.{next(iter(params))} (workload={name} takes no other keys)")
+    _reject_unknown(params, known, "workload.")
+    checked = {key: _typed(f"workload.{key}", value, known[key][0]) for key, value in params.items()}
+    for key, (_, low, low_key) in known.items():
+        if key not in checked:
+            continue
+        limit = checked.get(low_key, low) if low_key else low
+        if limit is not None and checked[key] < limit:
+            raise ConfigError(f"workload.{key} must be >= {f'workload.{low_key} ({limit})' if low_key else limit}, "
+                              f"got {checked[key]}")
+    return checked
+
+
+def sampling_defaults_from_dict(sampling: dict[str, Any]) -> SamplingDefaults:
+    """The job-wide `sampling.*` defaults, checked by the same SamplingParams.validate that checks each
+    request's own values (a bad one here fails the job before the model loads; in a prompts file, one row)."""
+    from spmd_engine.sequence import SamplingParams
+
+    _reject_unknown(sampling, [f.name for f in dataclasses.fields(SamplingDefaults)], "sampling.")
+    try:
+        params = SamplingParams.from_dict(sampling, SamplingParams(**vars(SamplingDefaults())))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return SamplingDefaults(**vars(params))
+
+
 def engine_config_from_dict(cfg: dict[str, Any]) -> EngineConfig:
-    """Build an EngineConfig from the plain dict of a composed Hydra config (unknown keys rejected)."""
+    """Build an EngineConfig from the plain dict of a composed Hydra config.
+
+    Unknown keys, values of the wrong type and bad sampling defaults raise ConfigError here, on
+    every rank alike and before anything is loaded.
+    """
     cfg = dict(cfg)
     cfg.pop("hydra", None)
-    model = dict(cfg.pop("model"))
-    workload = dict(cfg.pop("workload", {"name": "chat"}))
-    sampling = dict(cfg.pop("sampling", {}))
-    try:
-        model_cfg = ModelConfig(
-            name=str(model.pop("name", "custom")),
-            path=None if model.get("path") in (None, "") else str(model.pop("path")),
-            load_format=str(model.pop("load_format", "auto")),
-            hf_config=dict(model.pop("hf_config", {}) or {}),
-        )
-        model.pop("path", None)
-        if model:
-            raise ConfigError(f"unknown key(s) model.{', model.'.join(sorted(model))}")
-        sampling_cfg = SamplingDefaults(**sampling)
-        workload_cfg = WorkloadConfig(name=str(workload.pop("name", "chat")), params=workload)
-        if cfg.get("prompts") is not None:
-            prompts = cfg["prompts"]
-            if isinstance(prompts, str):
-                prompts = [prompts]
-            if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
-                raise ConfigError("prompts must be a list of strings, e.g. prompts='[\"Hello\"]'")
-            cfg["prompts"] = prompts
-        return EngineConfig(model=model_cfg, workload=workload_cfg, sampling=sampling_cfg, **cfg)
-    except TypeError as exc:  # unknown or missing dataclass field
-        raise ConfigError(f"bad config key: {exc}") from None
+    for section in _SECTIONS:
+        if cfg.get(section) is not None and not isinstance(cfg[section], dict):
+            raise ConfigError(f"{section} must be a group of keys ({section}.KEY=VALUE), got {cfg[section]!r}")
+    model = dict(cfg.pop("model", None) or {})
+    workload = dict(cfg.pop("workload", None) or {"name": "chat"})
+    sampling = dict(cfg.pop("sampling", None) or {})
+    hints = typing.get_type_hints(EngineConfig)
+    top_level = [f.name for f in dataclasses.fields(EngineConfig) if f.name not in _SECTIONS]
+    _reject_unknown(cfg, top_level + list(_SECTIONS))
+    _reject_unknown(model, _MODEL_KEYS, "model.")
+    for key, value in list(cfg.items()):
+        cfg[key] = _typed(key, value, hints[key])
+    hf_config = model.get("hf_config") or {}
+    if not isinstance(hf_config, dict):
+        raise ConfigError(f"model.hf_config must be a group of keys, got {hf_config!r}")
+    model_cfg = ModelConfig(
+        name=str(model.get("name", "custom")),
+        path=None if model.get("path") in (None, "") else str(model["path"]),
+        load_format=str(model.get("load_format", "auto")),
+        hf_config=dict(hf_config),
+    )
+    sampling_cfg = sampling_defaults_from_dict(sampling)
+    workload_name = str(workload.pop("name", "chat"))
+    workload_cfg = WorkloadConfig(name=workload_name, params=_workload_params(workload_name, workload))
+    if cfg.get("prompts") is not None:
+        prompts = cfg["prompts"]
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+            raise ConfigError("prompts must be a list of strings, e.g. prompts='[\"Hello\"]'")
+        cfg["prompts"] = prompts
+    return EngineConfig(model=model_cfg, workload=workload_cfg, sampling=sampling_cfg, **cfg)

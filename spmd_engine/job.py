@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from spmd_engine.config import ConfigError, EngineConfig, engine_config_from_dict
+from spmd_engine.config import ConfigError, EngineConfig, engine_config_from_dict, startup_settings
 from spmd_engine.distributed import RankInfo, all_reduce_min, init_process_group
 from spmd_engine.engine import LLM, agreed
-from spmd_engine.error_line import report_error
+from spmd_engine.error_line import error_line, report_error, write_error_file
 from spmd_engine.metrics import summarize, write_metrics
 from spmd_engine.outputs import OutputsWriter, RequestOutput, read_outputs
 from spmd_engine.preflight import check_prompts_file
@@ -51,10 +51,11 @@ def run_job(raw_cfg: dict[str, Any], overrides: list[str], ranks: RankInfo, outp
     metrics: dict[str, Any] = {"overrides": overrides, "status": "failed", "world_size": ranks.world_size}
     llm: LLM | None = None
     try:
-        cfg = engine_config_from_dict(raw_cfg)
-        use_cuda = cfg.device != "cpu" and torch.cuda.is_available()
-        init_process_group(ranks, use_cuda, max(cfg.dist_timeout_s, cfg.startup_timeout_s))
-        supervisor.attach(cfg.dist_timeout_s)
+        # the ranks meet first, then agree on the config: a bad key ends them together (after rank 0's files)
+        startup = startup_settings(raw_cfg)
+        init_process_group(ranks, startup.device != "cpu" and torch.cuda.is_available(), startup.timeout_s)
+        supervisor.attach(startup.dist_timeout_s)
+        cfg = agreed(lambda: engine_config_from_dict(raw_cfg))
         agreed(lambda: check_prompts_file(cfg.prompts_file) if ranks.is_first else None)
         llm = LLM(cfg, ranks, step_progress=supervisor.progress)
         metrics.update(_generate(llm, cfg, ranks, output_dir, supervisor))
@@ -64,6 +65,8 @@ def run_job(raw_cfg: dict[str, Any], overrides: list[str], ranks: RankInfo, outp
         metrics["error"] = str(exc)
         if ranks.is_first:
             report_error(str(exc))
+        else:
+            write_error_file(error_line(str(exc)))  # torchrun's summary: every rank's entry says why
         if not multirun:
             _write(metrics, raw_cfg, ranks, output_dir, started)
             all_reduce_min(0)  # every rank agreed on this error: leave together, after rank 0 wrote its files

@@ -2,21 +2,41 @@
 the nano-vllm benchmark (seeded random token prompts, reproducible to the token)."""
 from __future__ import annotations
 
+import logging
 import random
 
 from spmd_engine.config import EngineConfig
 from spmd_engine.prompts import DEFAULT_PROMPTS, PromptRequest, read_prompts, tokenize
+
+log = logging.getLogger("spmd_engine")
+TOKEN_PROMPT_LENS = (8, 32)  # token-id stand-ins for the built-in prompts: about their length in tokens
+TOKEN_PROMPT_ID_MAX = 10000  # as the bench workload draws them (and inside any real vocabulary)
 
 
 def build_requests(cfg: EngineConfig, tokenizer, vocab_size: int) -> list[PromptRequest]:
     if cfg.workload.name == "bench":
         return bench_requests(cfg.workload.params)
     if cfg.prompts is None and cfg.prompts_file is None:
+        if tokenizer is None:
+            return default_token_requests(cfg.seed, vocab_size)
         requests = read_prompts(list(DEFAULT_PROMPTS), None)
     else:
         requests = read_prompts(cfg.prompts, cfg.prompts_file)
     tokenize(requests, tokenizer, cfg.chat_template)
     return requests
+
+
+def default_token_requests(seed: int, vocab_size: int) -> list[PromptRequest]:
+    """The built-in chat prompts for a model without a tokenizer (dummy weights of a shape): seeded random
+    token ids, one request per built-in prompt, so that the documented dummy command generates instead of
+    failing every request on text it cannot tokenize."""
+    rng = random.Random(seed)
+    top = max(1, min(vocab_size, TOKEN_PROMPT_ID_MAX))
+    prompts = [[rng.randrange(top) for _ in range(rng.randint(*TOKEN_PROMPT_LENS))] for _ in DEFAULT_PROMPTS]
+    log.info("the model has no tokenizer: the %d built-in chat prompts run as seeded random token-id prompts "
+             "(%d-%d tokens); for your own, give prompts_file lines {\"prompt_token_ids\": [...]} or a model.path "
+             "with a tokenizer", len(prompts), *TOKEN_PROMPT_LENS)
+    return [PromptRequest(i, None, ids) for i, ids in enumerate(prompts)]
 
 
 def bench_requests(params: dict) -> list[PromptRequest]:

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from models.checkpoint import has_tokenizer, hf_hub_cache, read_hf_config, resolve_checkpoint
+from models.checkpoint import has_tokenizer, hf_hub_cache, looks_like_hub_id, read_hf_config, resolve_checkpoint
 
 
 def _fake_hub_snapshot(hub: Path, repo_id: str, commit: str = "0123abcd") -> Path:
@@ -62,9 +62,21 @@ def test_missing_hub_id_names_cache_and_fix(hub_env):
     assert "`hf download Qwen/Qwen3-0.6B`" in message and "model.load_format=dummy" in message
 
 
-def test_missing_path_that_is_no_hub_id(hub_env, tmp_path):
-    with pytest.raises(FileNotFoundError, match="model.path='/no/such/dir'"):
-        resolve_checkpoint("/no/such/dir")
+@pytest.mark.parametrize("path", ["/nonexistent", "/no/such/dir", "./ckpt/model", "../ckpt", "~/ckpt/x",
+                                  "ckpt/Qwen3/0.6B", "ckpt"])
+def test_missing_path_that_is_no_hub_id_suggests_no_download(hub_env, path):
+    with pytest.raises(FileNotFoundError) as info:
+        resolve_checkpoint(path)
+    message = str(info.value)
+    assert message.startswith(f"model.path={path!r}: no such directory") and "hf download" not in message, message
+
+
+@pytest.mark.parametrize("text,hub", [("Qwen/Qwen3-0.6B", True), ("HuggingFaceTB/SmolLM2-135M-Instruct", True),
+                                      ("org/name.v2_x", True), ("/nonexistent", False), ("/org/name", False),
+                                      ("./org", False), ("../org/name", False), ("a/b/c", False), ("name", False),
+                                      ("~/x", False), ("org/", False)])
+def test_looks_like_hub_id(text, hub):
+    assert looks_like_hub_id(text) is hub
 
 
 def test_read_hf_config_merges_generation_eos(tmp_path):

@@ -27,9 +27,84 @@ def test_bad_engine_keys_name_the_key_and_limit(key, value, needle):
     assert needle in str(err.value) and "\n" not in str(err.value)
 
 
-def test_unknown_key_is_rejected():
-    with pytest.raises(ConfigError, match="bad config key"):
-        engine_config_from_dict(base(blocksize=16))
+@pytest.mark.parametrize("over,line", [
+    ({"blocksize": 16}, "unknown config key blocksize; did you mean block_size?"),
+    ({"block_sise": 16}, "unknown config key block_sise; did you mean block_size?"),
+    ({"sampling": {"temprature": 0}}, "unknown config key sampling.temprature; did you mean sampling.temperature?"),
+    ({"model": {"name": "qwen3", "pth": "/x"}}, "unknown config key model.pth; did you mean model.path?"),
+    ({"workload": {"name": "bench", "num_seq": 2}}, "unknown config key workload.num_seq; did you mean "
+                                                    "workload.num_seqs?"),
+    ({"workload": {"name": "chat", "num_seqs": 2}}, "unknown config key workload.num_seqs (workload=chat"),
+])
+def test_unknown_key_is_named_with_its_near_miss(over, line):
+    with pytest.raises(ConfigError) as err:
+        engine_config_from_dict(base(**over))
+    assert str(err.value).startswith(line) and "__init__" not in str(err.value), err.value
+
+
+def test_unknown_key_without_a_near_miss_lists_the_known_ones():
+    with pytest.raises(ConfigError, match=r"^unknown config key zzz \(known: prompts, .*block_size"):
+        engine_config_from_dict(base(zzz=1))
+
+
+@pytest.mark.parametrize("sampling,line", [
+    ({"max_tokens": 0}, "sampling.max_tokens must be >= 1, got 0"),
+    ({"max_tokens": "abc"}, "sampling.max_tokens must be >= 1, got 'abc'"),
+    ({"temperature": -1}, "sampling.temperature must be >= 0, got -1"),
+    ({"top_p": 1.5}, "sampling.top_p must be in (0, 1], got 1.5"),
+    ({"top_k": -2}, "sampling.top_k must be -1 (off) or >= 1, got -2"),
+    ({"seed": 2**64}, "sampling.seed must be an integer in [-2**63, 2**64 - 1] or null"),
+])
+def test_bad_sampling_defaults_are_config_errors(sampling, line):
+    with pytest.raises(ConfigError) as err:
+        engine_config_from_dict(base(sampling=sampling))
+    assert str(err.value).startswith(line), err.value
+
+
+def test_sampling_defaults_and_request_values_share_one_check(monkeypatch):
+    """The job-wide defaults go through SamplingParams.validate, the check every request's values get."""
+    from spmd_engine.sequence import SamplingParams
+
+    def refuse(self):
+        raise ValueError("checked by SamplingParams.validate")
+
+    monkeypatch.setattr(SamplingParams, "validate", refuse)
+    with pytest.raises(ConfigError, match="checked by SamplingParams.validate"):
+        engine_config_from_dict(base())
+
+
+def test_sampling_defaults_keep_float_fields_float():
+    cfg = engine_config_from_dict(base(sampling={"temperature": 1, "top_p": 1}))
+    assert cfg.sampling.temperature == 1.0 and isinstance(cfg.sampling.temperature, float)
+    assert isinstance(cfg.sampling.top_p, float) and cfg.sampling.max_tokens == 256
+
+
+@pytest.mark.parametrize("key,value,line", [
+    ("block_size", "abc", "block_size must be an integer, got 'abc'"),
+    ("max_num_seqs", 2.5, "max_num_seqs must be an integer, got 2.5"),
+    ("num_kv_blocks", "x", "num_kv_blocks must be an integer or null, got 'x'"),
+    ("enable_prefix_caching", "maybe", "enable_prefix_caching must be true or false, got 'maybe'"),
+    ("gpu_memory_utilization", "high", "gpu_memory_utilization must be a number, got 'high'"),
+    ("dist_timeout_s", True, "dist_timeout_s must be a number, got True"),
+    ("attention_backend", ["torch"], "attention_backend must be a string, got ['torch']"),
+])
+def test_values_of_the_wrong_type_are_named(key, value, line):
+    with pytest.raises(ConfigError) as err:
+        engine_config_from_dict(base(**{key: value}))
+    assert str(err.value) == line
+
+
+def test_bench_workload_keys_are_checked():
+    from omegaconf import OmegaConf
+
+    from tests.helpers.run_engine import REPO
+
+    bench = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "workload" / "bench.yaml"))
+    assert engine_config_from_dict(base(workload=bench)).workload.params["num_seqs"] == 256
+    with pytest.raises(ConfigError, match=r"^workload.num_seqs must be an integer, got 'abc'$"):
+        engine_config_from_dict(base(workload={**bench, "num_seqs": "abc"}))
+    with pytest.raises(ConfigError, match=r"^workload.max_output_len must be >= workload.min_output_len \(100\)"):
+        engine_config_from_dict(base(workload={**bench, "max_output_len": 1}))
 
 
 def test_prompts_and_file_exclusive():
@@ -56,3 +131,22 @@ def test_tp_reduce_dtype_defaults_to_float32_in_code_and_yaml():
 
     assert engine_config_from_dict(base()).tp_reduce_dtype == "float32"
     assert OmegaConf.load(REPO / "conf" / "config.yaml").tp_reduce_dtype == "float32"
+
+
+def test_a_number_where_text_is_wanted_is_text():
+    """Hydra reads prompts_file=123 as an int; it is still a file name (and dtype=16 is named by validate)."""
+    assert engine_config_from_dict(base(prompts_file=123)).prompts_file == "123"
+    with pytest.raises(ConfigError) as err:
+        engine_config_from_dict(base(dtype=16)).validate(1)
+    assert str(err.value) == "dtype must be one of auto|bfloat16|float16|float32, got '16'"
+
+
+def test_startup_settings_read_leniently():
+    from spmd_engine.config import startup_settings
+
+    assert startup_settings({"device": "cpu", "dist_timeout_s": 5, "startup_timeout_s": 60}) == \
+        startup_settings({"device": "cpu", "dist_timeout_s": 5.0, "startup_timeout_s": 60.0})
+    good = startup_settings({"device": "cpu", "dist_timeout_s": 5, "startup_timeout_s": 60})
+    assert (good.device, good.dist_timeout_s, good.timeout_s) == ("cpu", 5.0, 60.0)
+    bad = startup_settings({"device": "tpu", "dist_timeout_s": "abc", "startup_timeout_s": -1})
+    assert (bad.device, bad.dist_timeout_s, bad.timeout_s) == ("auto", 45.0, 600.0)  # the defaults

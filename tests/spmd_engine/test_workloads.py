@@ -13,3 +13,38 @@ def test_bench_reproduces_the_nano_vllm_workload_to_the_token():
 
 def test_latency_mode_is_one_sequence():
     assert len(bench_requests({"num_seqs": 1})) == 1
+
+
+def _chat_cfg(**over):
+    from spmd_engine.config import engine_config_from_dict
+
+    raw = {"model": {"name": "qwen3", "path": None, "load_format": "dummy", "hf_config": {}},
+           "workload": {"name": "chat"}, "sampling": {}, **over}
+    return engine_config_from_dict(raw)
+
+
+def test_no_tokenizer_turns_the_built_in_prompts_into_token_ids(caplog):
+    """Dummy weights of a shape have no tokenizer: the default job still generates (token-id prompts)."""
+    import logging
+
+    from spmd_engine.prompts import DEFAULT_PROMPTS
+    from spmd_engine.workloads import build_requests
+
+    with caplog.at_level(logging.INFO, logger="spmd_engine"):
+        requests = build_requests(_chat_cfg(), None, vocab_size=500)
+    assert len(requests) == len(DEFAULT_PROMPTS) and [r.index for r in requests] == list(range(len(requests)))
+    assert all(r.error is None and r.prompt is None and 8 <= len(r.prompt_token_ids) <= 32 for r in requests)
+    assert all(0 <= t < 500 for r in requests for t in r.prompt_token_ids)
+    assert "no tokenizer" in caplog.text and "token-id prompts" in caplog.text
+    again = build_requests(_chat_cfg(), None, vocab_size=500)
+    assert [r.prompt_token_ids for r in again] == [r.prompt_token_ids for r in requests]  # seeded by `seed`
+    other_seed = build_requests(_chat_cfg(seed=1), None, vocab_size=500)
+    assert [r.prompt_token_ids for r in other_seed] != [r.prompt_token_ids for r in requests]
+
+
+def test_text_the_user_gave_still_needs_a_tokenizer():
+    from spmd_engine.prompts import NO_TOKENIZER_ERROR
+    from spmd_engine.workloads import build_requests
+
+    requests = build_requests(_chat_cfg(prompts=["hello"]), None, vocab_size=500)
+    assert [r.error for r in requests] == [NO_TOKENIZER_ERROR]
