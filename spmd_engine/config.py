@@ -109,6 +109,7 @@ def engine_config_from_dict(cfg: dict[str, Any]) -> EngineConfig:
     """Build an EngineConfig from the plain dict of a composed Hydra config (unknown keys rejected)."""
     cfg = dict(cfg)
     cfg.pop("hydra", None)
+    cfg.pop("repeat", None)  # a sweep's repeat label (`+repeat=0,1,2`): names a job, changes nothing
     model = dict(cfg.pop("model"))
     workload = dict(cfg.pop("workload", {"name": "chat"}))
     sampling = dict(cfg.pop("sampling", {}))
