@@ -423,9 +423,8 @@ def plot_sweep(points: list[Point], png_path: Path) -> bool:
                 if bad:
                     ax.plot(bad, [0.0] * len(bad), "x", color="red", markersize=9, mew=2,
                             label=f"no finished run{f' ({label})' if label else ''}")
-            ax.set_ylim(bottom=0)
-            if ax.get_ylim()[1] <= 0:
-                ax.set_ylim(0, 1)
+            top = ax.get_ylim()[1]
+            ax.set_ylim(0, top * 1.08 if top > 0 else 1.0)  # from zero: a 3 % effect must look like one
             ax.set_xticks(range(len(xs)), [str(x) if x is not None else "-" for x in xs] if key else ["all"])
             ax.set_xlim(-0.5, len(xs) - 0.5)
             ax.grid(True, alpha=0.3)
