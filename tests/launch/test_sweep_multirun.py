@@ -88,3 +88,24 @@ def test_report_command_on_the_sweep(sweep_dir: Path, capsys) -> None:
     assert "indistinguishable (preempt)" in out
     image = pytest.importorskip("matplotlib.image")
     assert image.imread(sweep_dir / "sweep.png").ndim == 3
+
+
+def test_the_preset_oversubscribes_a_small_qwen3_pool() -> None:
+    """The numbers conf/workload/sweep.yaml and docs/BENCHMARKS.md quote: 244,078 KV tokens resident at
+    once, 26 GiB of Qwen3-0.6B KV: 4x a gpu_memory_utilization=0.08 pool, a fifth of a 0.9 one."""
+    import yaml
+
+    from spmd_engine.workloads import bench_requests
+    repo = RUN_PY.parent
+    params = yaml.safe_load((repo / "conf" / "workload" / "sweep.yaml").read_text())
+    assert params["name"] == "bench"  # the bench generator and warm-up, other numbers
+    requests = bench_requests(params)
+    assert len(requests) == 256
+    demand = sum(len(r.prompt_token_ids) + r.overrides["max_tokens"] for r in requests)
+    assert demand == 244_078
+    hf = yaml.safe_load((repo / "conf" / "model" / "qwen3.yaml").read_text())["hf_config"]
+    per_token = hf["num_hidden_layers"] * hf["num_key_value_heads"] * hf["head_dim"] * 2 * 2  # K and V, bf16
+    assert per_token == 114_688
+    gib = 1 << 30
+    pool_tokens = lambda util: (139.8 * util - 4.6) * gib / per_token  # noqa: E731 (H200, enforce_eager)
+    assert demand > 3.5 * pool_tokens(0.08) and demand < 0.25 * pool_tokens(0.9)
