@@ -127,7 +127,7 @@ def override_values(overrides: list[str] | None) -> dict[str, str]:
     values = {}
     for item in overrides or []:
         key, sep, value = str(item).lstrip("+~").partition("=")
-        if sep and not key.startswith("hydra."):
+        if sep and not key.startswith(("hydra.", "hydra/")):
             values[key] = value
     return values
 

@@ -94,7 +94,8 @@ def test_job_table_cells(plain_sweep: Path) -> None:
     row = dict(zip(header, rows[0]))
     assert (row["block_size"], row["gpu_memory_utilization"], row["status"]) == ("16", "0.5", "ok")
     assert (row["kv_tokens"], row["kv_blocks"], row["preempt"], row["out_tok_s"]) == ("512", "32", "7", "100.0")
-    assert (row["ttft_p50_ms"], row["ttft_p99_ms"], row["itl_p99_ms"], row["peak_gib"]) == ("12.5", "40.0", "9.50", "3.50")
+    assert (row["ttft_p50_ms"], row["ttft_p99_ms"], row["itl_p99_ms"], row["peak_gib"]) == (
+        "12.5", "40.0", "9.50", "3.50")
     failed = dict(zip(header, rows[3]))
     assert failed["status"] == "failed" and failed["out_tok_s"] == "-"
     assert failed["error"].startswith("num_kv_blocks=1")
