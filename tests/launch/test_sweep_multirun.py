@@ -109,3 +109,41 @@ def test_the_preset_oversubscribes_a_small_qwen3_pool() -> None:
     gib = 1 << 30
     pool_tokens = lambda util: (139.8 * util - 4.6) * gib / per_token  # noqa: E731 (H200, enforce_eager)
     assert demand > 3.5 * pool_tokens(0.08) and demand < 0.25 * pool_tokens(0.9)
+
+
+def _replay_scheduler(requests: list, pool_tokens: int, block_size: int) -> tuple[int, int, int]:
+    """The engine's Scheduler alone over `requests` (no model; one step in flight, as with async
+    scheduling): (preemptions, steps, step of the p99 first token). Device-independent."""
+    from spmd_engine.scheduler import Scheduler, SchedulerConfig
+    from spmd_engine.sequence import SamplingParams, Sequence
+
+    sched = Scheduler(SchedulerConfig(256, 8192, 4096, block_size, pool_tokens // block_size, True), {151645})
+    for i, r in enumerate(requests):
+        sched.add(Sequence(i, r.prompt_token_ids, SamplingParams.from_dict(r.overrides, SamplingParams())))
+    steps, first_token, in_flight = 0, {}, None
+    while sched.has_unfinished() or in_flight is not None:
+        out = sched.schedule() if sched.has_unfinished() else None
+        if in_flight is not None:
+            sampled = [s for s, flag in zip(in_flight.seqs, in_flight.sample) if flag]
+            sched.postprocess(in_flight, {s.seq_id: 7 for s in sampled})
+            for s in sampled:
+                first_token.setdefault(s.seq_id, steps)
+        in_flight = out if out is not None and not out.is_empty else None
+        steps += out is not None
+        assert steps < 20_000, "the scheduler made no progress"
+    firsts = sorted(first_token.values())
+    return sched.num_preemptions, steps, firsts[int(0.99 * len(firsts))]
+
+
+def test_the_preset_preempts_at_a_small_pool_only() -> None:
+    """docs/BENCHMARKS.md's replay: ~62k tokens (Qwen3-0.6B at gpu_memory_utilization 0.08, eager)
+    preempts and takes ~3x the steps; ~1.1M tokens (0.9) holds every request at once."""
+    import yaml
+
+    from spmd_engine.workloads import bench_requests
+    requests = bench_requests(yaml.safe_load((RUN_PY.parent / "conf" / "workload" / "sweep.yaml").read_text()))
+    big_preempt, big_steps, big_ttft = _replay_scheduler(requests, 1_134_989, 16)
+    assert big_preempt == 0
+    for block_size in (16, 256):
+        preempt, steps, ttft = _replay_scheduler(requests, 61_734, block_size)
+        assert preempt > 0 and steps > 2.5 * big_steps and ttft > 10 * big_ttft, (block_size, preempt, steps, ttft)
