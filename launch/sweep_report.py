@@ -358,11 +358,11 @@ def sort_jobs(jobs: list[JobResult], spec: str, keys: list[str], repeat_keys: li
     return _ordered(jobs, lambda j: None if j.params.get(name) is None else _value_key(j.params.get(name)), desc)
 
 
-def sort_points(points: list[Point], spec: str) -> list[Point]:
-    """Points ordered by one column of the point table (a metric by its median); "-COL" for descending."""
+def sort_points(points: list[Point], spec: str, job_only: tuple[str, ...] = ("job", "status", "error")) -> list[Point]:
+    """Points ordered by one column of the point table (a metric by its median); "-COL" for descending.
+    A column only the job table has (`job_only`, e.g. the repeat key) leaves the points in order."""
     keys = list(points[0].keys) if points else []
-    columns = point_columns(keys)
-    name, desc = _parse_sort(spec, columns + ["job", "status", "error"])
+    name, desc = _parse_sort(spec, point_columns(keys) + list(job_only))
     if name in METRIC_BY_NAME:
         def median(p: Point) -> float | None:
             stat = p.stat(name)
@@ -456,7 +456,7 @@ def report(jobs: list[JobResult], repeat_keys: tuple[str, ...], sort: str | None
     shown_jobs, shown_points = jobs, points
     if sort:
         shown_jobs = sort_jobs(jobs, sort, keys, repeats_seen)
-        shown_points = sort_points(points, sort)
+        shown_points = sort_points(points, sort, ("job", "status", "error", *repeats_seen))
     fixed = {k: v for k, v in jobs[0].params.items() if k not in keys and k not in repeat_keys
              and all(j.params.get(k) == v for j in jobs)}
     parts = []

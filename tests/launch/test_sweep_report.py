@@ -146,6 +146,8 @@ def test_repeats_group_into_points_with_median_and_spread(tmp_path: Path) -> Non
     header = sweep_report.point_columns(keys)
     row = dict(zip(header, sweep_report.point_rows(points)[0]))
     assert row["runs"] == "3/3 ok" and row["out_tok_s"] == "104.0 ±5.0" and row["preempt"] == "0 ±0"
+    by_repeat, _, _ = sweep_report.report(jobs, ("repeat",), "-repeat", "out_tok_s")  # a job-table column
+    assert [line.split()[0] for line in by_repeat.split("jobs (")[1].splitlines()[3:5]] == ["2", "5"]
     text, _, _ = sweep_report.report(jobs, ("repeat",), "-out_tok_s", "out_tok_s")
     assert "repeats: repeat" in text
     points_table = text.split("points (")[1]
