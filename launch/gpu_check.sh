@@ -70,12 +70,15 @@ PY
     tp_sync)
       run q8b_tp2_sync 240 "${TORCHRUN[@]}" run.py model=qwen3_8b "${BENCH[@]}" async_scheduling=false
       run q8b_tp2_model_reduce 240 "${TORCHRUN[@]}" run.py model=qwen3_8b "${BENCH[@]}" tp_reduce_dtype=model ;;
-    sweep)
-      note "sweep: block_size=16,32,256 x gpu_memory_utilization=0.5,0.9"
-      CUDA_VISIBLE_DEVICES=0 timeout -k 10 420 python run.py -m block_size=16,32,256 gpu_memory_utilization=0.5,0.9 \
-        model=qwen3 "${BENCH[@]}" "hydra.sweep.dir=$WORK/sweep" 2>&1 | tee -a "$LOG" \
-        | grep -E "bench: |requests,|error" || true
-      python launch/sweep_report.py "$WORK/sweep" 2>&1 | tee -a "$LOG" "$OUT/sweep.txt" ;;
+    sweep)  # docs/BENCHMARKS.md, "How to run a sweep that shows capacity"
+      note "sweep: workload=sweep, block_size=16,256 x gpu_memory_utilization=0.08,0.9 x 2 repeats, eager"
+      CUDA_VISIBLE_DEVICES=0 timeout -k 10 300 python run.py -m model=qwen3 model.load_format=dummy workload=sweep \
+        enforce_eager=true +repeat=0,1 block_size=16,256 gpu_memory_utilization=0.08,0.9 \
+        "hydra.sweep.dir=$WORK/sweep" 2>&1 | tee -a "$LOG" | grep -E "KV cache|generate:|requests,|rror" || true
+      python launch/sweep_report.py "$WORK/sweep" 2>&1 | tee -a "$LOG" "$OUT/sweep.txt"
+      python launch/sweep_report.py "$WORK/sweep" --best-by ttft_p99_ms --sort=-preempt --markdown --no-plot \
+        2>&1 | tee -a "$LOG" "$OUT/sweep.txt" >/dev/null
+      cp "$WORK/sweep/sweep.png" "$OUT/" 2>/dev/null || true ;;
     profile)
       note "profile: GPU time by kernel over decode-heavy generate calls (torch.profiler)"
       CUDA_VISIBLE_DEVICES=0 timeout -k 10 150 python - <<'PY' 2>&1 | tee -a "$LOG"

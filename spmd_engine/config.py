@@ -227,6 +227,7 @@ def engine_config_from_dict(cfg: dict[str, Any]) -> EngineConfig:
     """
     cfg = dict(cfg)
     cfg.pop("hydra", None)
+    cfg.pop("repeat", None)  # a sweep's repeat label (`+repeat=0,1,2`): names a job, changes nothing
     for section in _SECTIONS:
         if cfg.get(section) is not None and not isinstance(cfg[section], dict):
             raise ConfigError(f"{section} must be a group of keys ({section}.KEY=VALUE), got {cfg[section]!r}")

@@ -49,7 +49,17 @@ def summarize(outputs: list[RequestOutput], wall_time_s: float) -> dict:
         "total_tokens_per_s": (prompt_tokens + output_tokens) / wall_time_s if wall_time_s > 0 else 0.0,
         "ttft": distribution(ttft),
         "itl": distribution(itl),
+        "kv_demand_tokens": kv_demand_tokens(ok),
     }
+
+
+def kv_demand_tokens(outputs: list[RequestOutput]) -> int:
+    """KV tokens every request would hold at its longest (prompt + output) if all ran at once.
+
+    Why: compared with kv_capacity.tokens it says whether a job could have kept every request
+    resident; above 1x the scheduler must queue or preempt, which is what a capacity sweep shows.
+    """
+    return sum(len(o.prompt_token_ids or []) + len(o.token_ids) for o in outputs)
 
 
 def write_metrics(path: Path, metrics: dict) -> None:

@@ -32,10 +32,12 @@ def test_block_size_by_utilization_sweep_at_two_ranks(tiny_ckpt: Path, reference
         assert metrics["world_size"] == 2
         assert token_ids(job) == reference_tokens  # the KV block size must not change greedy tokens
 
-    points = sweep_report.load_sweep(sweep_dir)
-    assert [(p.block_size, p.gpu_memory_utilization, p.status) for p in points] == [
-        (16, 0.5, "ok"), (16, 0.9, "ok"), (32, 0.5, "ok"), (32, 0.9, "ok")]
-    assert all(p.output_tokens_per_s > 0 and p.kv_blocks == 64 for p in points)
+    jobs = sweep_report.load_sweep(sweep_dir)  # one row per job: rank 0's metrics.json
+    assert [(j.params["block_size"], j.params["gpu_memory_utilization"], j.status) for j in jobs] == [
+        ("16", "0.5", "ok"), ("16", "0.9", "ok"), ("32", "0.5", "ok"), ("32", "0.9", "ok")]
+    assert all(j.values["out_tok_s"] > 0 and j.values["kv_blocks"] == 64 and j.values["preempt"] == 0
+               for j in jobs)
+    assert [j.values["kv_tokens"] for j in jobs] == [1024, 1024, 2048, 2048]
     assert sweep_report.main([str(sweep_dir)]) == 0
     image = pytest.importorskip("matplotlib.image")
     assert image.imread(sweep_dir / "sweep.png").ndim == 3
@@ -51,5 +53,4 @@ def test_a_failing_point_is_reported_and_the_sweep_goes_on(tiny_ckpt: Path, refe
     assert not (sweep_dir / "0" / "outputs.jsonl").exists() or token_ids(sweep_dir / "0") == []
     assert ok["status"] == "ok"
     assert token_ids(sweep_dir / "1") == reference_tokens
-    rows = sweep_report.table_rows(sweep_report.load_sweep(sweep_dir))
-    assert [r[3] for r in rows] == ["failed", "ok"]
+    assert [j.status for j in sweep_report.load_sweep(sweep_dir)] == ["failed", "ok"]
