@@ -53,7 +53,7 @@ def run_job(raw_cfg: dict[str, Any], overrides: list[str], ranks: RankInfo, outp
     try:
         cfg = engine_config_from_dict(raw_cfg)
         use_cuda = cfg.device != "cpu" and torch.cuda.is_available()
-        init_process_group(ranks, use_cuda, max(cfg.dist_timeout_s, cfg.startup_timeout_s))
+        init_process_group(ranks, use_cuda, max(cfg.dist_timeout_s, cfg.startup_timeout_s), cfg.startup_timeout_s)
         supervisor.attach(cfg.dist_timeout_s)
         agreed(lambda: check_prompts_file(cfg.prompts_file) if ranks.is_first else None)
         llm = LLM(cfg, ranks, step_progress=supervisor.progress)
