@@ -25,10 +25,11 @@ def is_stuck(entry: FaultEntry) -> bool:
             and entry.seconds >= 0.5 * entry.timeout_s)
 
 
-def _last_seen(silent: list[int], last_seen: dict[int, dict] | None) -> str:
-    """Where the first silent rank's watchdog last saw its main thread (it can't post any more)."""
+def _last_seen(silent: list[int], last_seen: dict[int, dict] | None, step: int | None) -> str:
+    """Where the first silent rank's watchdog last saw its main thread (it can't post any more); only
+    if that was in the reporter's `step` (a fast rank's watchdog may not have polled since start-up)."""
     seen = (last_seen or {}).get(silent[0]) if silent else None
-    if not seen:
+    if not seen or seen.get("step") is None or seen.get("step") != step:
         return ""
     who = f"rank {silent[0]} " if len(silent) > 1 else ""
     waiting = " waiting in a collective" if seen.get("in_collective") else ""
@@ -60,7 +61,7 @@ def summarize_faults(entries: dict[int, FaultEntry], world_size: int, reporter: 
         how = ("its process group connections and the rendezvous store it hosts are gone" if store_lost
                else "killed, exited or its host failed")
         return (f"{_ranks(silent)} stopped {_at(reporter.step)} without reporting an error ({how})"
-                f"{_last_seen(silent, last_seen)}")
+                f"{_last_seen(silent, last_seen, reporter.step)}")
     if of_kind[SIGNAL]:
         first = of_kind[SIGNAL][0]
         who = _ranks([e.rank for e in of_kind[SIGNAL]]) if world_size > 1 else "the job"
