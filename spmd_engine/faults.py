@@ -62,10 +62,13 @@ class FaultInjector:
 
 
 def compute_for(seconds: float) -> None:
-    """Keep this thread computing (small matmuls, CPU-bound like a forward) for `seconds`."""
+    """Keep this thread computing for `seconds` as a forward does: CPU-bound ops, one after another
+    (a host spinning in one place is a wait, not progress, to the watchdog)."""
     import torch
 
     x = torch.randn(96, 96, generator=torch.Generator().manual_seed(0))
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         x = torch.tanh(x @ x)
+        x = torch.sigmoid(x @ x.T)
+        x = torch.softmax(x @ x, dim=-1)

@@ -6,8 +6,10 @@ peer at all (its collective just waits). But a step that is merely long (an 8192
 a busy CPU) is not a hang, so the rule is about progress, not about how old a step is:
 
 - every poll the thread samples its main thread: it *moved* if its phase changed (a new step, a
-  plan arrived, a forward was issued) or if it used CPU while not waiting on its peers (not inside
-  torch.distributed, not waiting for a plan, not waiting for an issued forward);
+  plan arrived, a forward was issued), or if it computed since the last poll: it used CPU, its stack
+  is not the one of the last poll, and it is not waiting on its peers (not inside torch.distributed,
+  not waiting for a plan, not waiting for an issued forward). A host spinning in a CUDA wait uses
+  CPU in one place: not a move;
 - each move adds one to the rank's progress count in the rendezvous store (next to a heartbeat the
   thread beats on every poll, and the rank's last location);
 - a rank is hung only when, for more than `dist_timeout_s`, neither it nor any peer moved (one rank
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 
 from spmd_engine.fault_board import FaultBoard
 from spmd_engine.progress import WAIT_PLAN, Phase, StepProgress
-from spmd_engine.stack_location import Location, thread_location
+from spmd_engine.stack_location import Location, thread_snapshot
 
 OBSERVE_AFTER_S = 1.0  # a watched phase this old makes the peers' heartbeats and progress worth reading
 STALE_S = 5.0  # a peer whose heartbeat count stood still this long is dead or frozen
@@ -37,10 +39,11 @@ MIN_CPU_SHARE = 0.02  # main-thread CPU per second of polling that counts as com
 
 @dataclass(frozen=True)
 class MainSample:
-    """The main thread seen from the watchdog thread: its CPU time so far and where it is."""
+    """The main thread seen from the watchdog thread: its CPU time so far, where it is, its stack's key."""
 
     cpu_s: float
     location: Location
+    stack_key: int = 0
 
 
 def _cpu_clock(thread: threading.Thread) -> Callable[[], float]:
@@ -56,7 +59,12 @@ def _cpu_clock(thread: threading.Thread) -> Callable[[], float]:
 def main_thread_probe() -> Callable[[], MainSample]:
     main = threading.main_thread()
     cpu = _cpu_clock(main)
-    return lambda: MainSample(cpu(), thread_location(main))
+
+    def sample() -> MainSample:
+        location, key = thread_snapshot(main)
+        return MainSample(cpu(), location, key)
+
+    return sample
 
 
 @dataclass(frozen=True)
@@ -89,6 +97,7 @@ class Watchdog:
         first = self.probe()
         self._last_phase: Phase | None = None
         self._last_cpu = first.cpu_s
+        self._last_key = first.stack_key
         self._last_poll = time.monotonic()
         self._last_move = self._last_poll
         self._published: tuple | None = None
@@ -156,13 +165,16 @@ class Watchdog:
         return False
 
     def _moved(self, phase: Phase, sample: MainSample, now: float) -> bool:
-        """Did the main thread make progress since the last poll? A new phase, or CPU spent computing."""
+        """Did the main thread make progress since the last poll? A new phase, or computing: CPU spent,
+        a different stack, and not waiting on the peers."""
         changed = phase is not self._last_phase
         cpu = sample.cpu_s - self._last_cpu
         interval = now - self._last_poll
+        other_stack = sample.stack_key != self._last_key
         self._last_phase, self._last_cpu, self._last_poll = phase, sample.cpu_s, now
+        self._last_key = sample.stack_key
         waiting = sample.location.in_collective or phase.name == WAIT_PLAN or phase.issued
-        return changed or (not waiting and cpu >= MIN_CPU_SHARE * interval)
+        return changed or (not waiting and other_stack and cpu >= MIN_CPU_SHARE * interval)
 
     def _publish(self, phase: Phase, where: Location) -> None:
         """Where this rank is, for the report if it freezes (only when it changed: one store write)."""

@@ -35,13 +35,15 @@ class FakeMain:
         self.where = where
         self.cpu = 0.0
         self.last = time.monotonic()
+        self.stack = 0
 
     def __call__(self) -> MainSample:
         now = time.monotonic()
-        if self.where is COMPUTING:
+        if self.where is COMPUTING:  # through one op after another
             self.cpu += now - self.last
+            self.stack += 1
         self.last = now
-        return MainSample(self.cpu, self.where)
+        return MainSample(self.cpu, self.where, self.stack)
 
 
 class DeadStore:
@@ -89,7 +91,16 @@ def test_cpu_spent_inside_a_collective_is_waiting_not_progress():
     dog = Watchdog(progress, None, calls.callbacks(), probe=main)
     progress.step(2)
     main.cpu += 100.0  # e.g. a host spinning on a GPU wait inside the collective
+    main.stack += 1
     assert poll_for(dog, 0.5) and calls.seen == [("timeout", 2)]
+
+
+def test_cpu_spent_in_one_place_is_a_spin_not_progress():
+    progress, calls = StepProgress(timeout_s=0.1), Calls()
+    spinning = FakeMain(Location("spmd_engine/token_readback.py:26 in numpy", False))  # a CUDA event wait
+    dog = Watchdog(progress, None, calls.callbacks(), probe=lambda: MainSample(time.monotonic(), spinning.where, 7))
+    progress.step(3)
+    assert poll_for(dog, 0.5) and calls.seen == [("timeout", 3)]
 
 
 def test_every_rank_computing_a_long_step_is_progress_a_job_where_nothing_moves_is_not():
@@ -112,12 +123,16 @@ def test_every_rank_computing_a_long_step_is_progress_a_job_where_nothing_moves_
 
 
 def test_the_real_probe_tells_a_computing_main_thread_from_a_sleeping_one():
-    probe, deltas = main_thread_probe(), []
+    probe, deltas, stacks = main_thread_probe(), [], []
 
     def measure():
         first = probe().cpu_s
-        time.sleep(0.3)
+        keys = set()
+        for _ in range(6):
+            time.sleep(0.05)
+            keys.add(probe().stack_key)
         deltas.append(probe().cpu_s - first)
+        stacks.append(len(keys))
 
     computing = threading.Thread(target=measure)
     computing.start()
@@ -127,6 +142,7 @@ def test_the_real_probe_tells_a_computing_main_thread_from_a_sleeping_one():
     sleeping.start()
     sleeping.join()  # the whole window: it sleeps in join
     assert deltas[0] > 0.05 and deltas[1] < 0.02, deltas
+    assert stacks[0] > 1 and stacks[1] == 1, stacks  # computing moves through code; sleeping stands still
 
 
 def test_another_ranks_post_or_a_dead_store_stop_this_rank():
