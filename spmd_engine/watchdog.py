@@ -6,10 +6,11 @@ peer at all (its collective just waits). But a step that is merely long (an 8192
 a busy CPU) is not a hang, so the rule is about progress, not about how old a step is:
 
 - every poll the thread samples its main thread: it *moved* if its phase changed (a new step, a
-  plan arrived, a forward was issued), or if it computed since the last poll: it used CPU, its stack
-  is not the one of the last poll, and it is not waiting on its peers (not inside torch.distributed,
-  not waiting for a plan, not waiting for an issued forward). A host spinning in a CUDA wait uses
-  CPU in one place: not a move;
+  plan arrived, a forward was issued), or if it computed since the last poll: it used CPU and is not
+  waiting on its peers (not inside torch.distributed, not waiting for a plan, not waiting for an
+  issued forward). In a process that uses CUDA its stack must also differ from the last poll's: a
+  host spinning in a CUDA wait uses CPU in one place, while on a CPU device one op may compute for
+  seconds;
 - each move adds one to the rank's progress count in the rendezvous store (next to a heartbeat the
   thread beats on every poll, and the rank's last location);
 - a rank is hung only when, for more than `dist_timeout_s`, neither it nor any peer moved (one rank
@@ -56,6 +57,12 @@ def _cpu_clock(thread: threading.Thread) -> Callable[[], float]:
         return lambda: time.process_time() - time.thread_time()
 
 
+def uses_cuda() -> bool:
+    """Whether this process has initialized CUDA (then the host's CPU time may be spin-waiting)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_initialized()
+
+
 def main_thread_probe() -> Callable[[], MainSample]:
     main = threading.main_thread()
     cpu = _cpu_clock(main)
@@ -81,7 +88,8 @@ class Watchdog:
     def __init__(self, progress: StepProgress, board: FaultBoard | None, callbacks: WatchdogCallbacks,
                  rank: int = 0, poll_s: float = 0.25, deadman_margin_s: float = 30.0,
                  observe_after_s: float = OBSERVE_AFTER_S, stale_s: float = STALE_S,
-                 probe: Callable[[], MainSample] | None = None) -> None:
+                 probe: Callable[[], MainSample] | None = None,
+                 spin_waits: Callable[[], bool] = uses_cuda) -> None:
         self.progress = progress
         self.board = board
         self.callbacks = callbacks
@@ -91,6 +99,7 @@ class Watchdog:
         self.observe_after_s = observe_after_s
         self.stale_s = stale_s
         self.probe = probe or main_thread_probe()
+        self.spin_waits = spin_waits
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="spmd-watchdog", daemon=True)
         self._deadman_armed = False
@@ -165,8 +174,8 @@ class Watchdog:
         return False
 
     def _moved(self, phase: Phase, sample: MainSample, now: float) -> bool:
-        """Did the main thread make progress since the last poll? A new phase, or computing: CPU spent,
-        a different stack, and not waiting on the peers."""
+        """Did the main thread make progress since the last poll? A new phase, or computing: CPU spent
+        outside waits on the peers (and, where waits may spin, a different stack)."""
         changed = phase is not self._last_phase
         cpu = sample.cpu_s - self._last_cpu
         interval = now - self._last_poll
@@ -174,7 +183,11 @@ class Watchdog:
         self._last_phase, self._last_cpu, self._last_poll = phase, sample.cpu_s, now
         self._last_key = sample.stack_key
         waiting = sample.location.in_collective or phase.name == WAIT_PLAN or phase.issued
-        return changed or (not waiting and other_stack and cpu >= MIN_CPU_SHARE * interval)
+        if changed:
+            return True
+        if waiting or cpu < MIN_CPU_SHARE * interval:
+            return False
+        return other_stack or not self.spin_waits()
 
     def _publish(self, phase: Phase, where: Location) -> None:
         """Where this rank is, for the report if it freezes (only when it changed: one store write)."""

@@ -95,12 +95,14 @@ def test_cpu_spent_inside_a_collective_is_waiting_not_progress():
     assert poll_for(dog, 0.5) and calls.seen == [("timeout", 2)]
 
 
-def test_cpu_spent_in_one_place_is_a_spin_not_progress():
-    progress, calls = StepProgress(timeout_s=0.1), Calls()
-    spinning = FakeMain(Location("spmd_engine/token_readback.py:26 in numpy", False))  # a CUDA event wait
-    dog = Watchdog(progress, None, calls.callbacks(), probe=lambda: MainSample(time.monotonic(), spinning.where, 7))
-    progress.step(3)
-    assert poll_for(dog, 0.5) and calls.seen == [("timeout", 3)]
+def test_cpu_spent_in_one_place_is_one_long_op_on_a_cpu_device_and_a_spin_with_cuda():
+    one_place = Location("spmd_engine/token_readback.py:26 in numpy", False)  # one op, or a CUDA event wait
+    for cuda, fires in ((False, False), (True, True)):
+        progress, calls = StepProgress(timeout_s=0.1), Calls()
+        dog = Watchdog(progress, None, calls.callbacks(), probe=lambda: MainSample(time.monotonic(), one_place, 7),
+                       spin_waits=lambda: cuda)  # noqa: B023 - used within the iteration
+        progress.step(3)
+        assert poll_for(dog, 0.5) == fires and calls.seen == ([("timeout", 3)] if fires else [])
 
 
 def test_every_rank_computing_a_long_step_is_progress_a_job_where_nothing_moves_is_not():
