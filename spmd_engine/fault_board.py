@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 ERROR = "error"  # this rank's own code raised
 LOST = "lost"  # a collective of this rank failed (a peer died or the network broke)
-TIMEOUT = "timeout"  # this rank's step or plan wait exceeded dist_timeout_s
+TIMEOUT = "timeout"  # no rank moved (see watchdog.py) for more than dist_timeout_s
 SIGNAL = "signal"  # this rank got SIGINT or SIGTERM
 PEER = "peer"  # this rank stops because another rank posted
 KINDS = (ERROR, LOST, TIMEOUT, SIGNAL, PEER)
