@@ -145,7 +145,7 @@ class Watchdog:
             self._last_move = now
         stalled = now - self._last_move
         watched = phase.timeout_s is not None and phase.elapsed(now) >= self.observe_after_s
-        peers_still = True
+        peers_still = self.board is None  # no peers known: this rank's own stall decides
         if self.board is not None and not self._stop.is_set():
             try:
                 self.board.beat(self.rank)
