@@ -113,6 +113,7 @@ class StartupSettings:
     device: str
     dist_timeout_s: float
     timeout_s: float  # the process group's collective timeout
+    rendezvous_timeout_s: float  # how long ranks wait for rank 0's store (startup_timeout_s)
 
 
 def startup_settings(raw: dict[str, Any]) -> StartupSettings:
@@ -126,8 +127,8 @@ def startup_settings(raw: dict[str, Any]) -> StartupSettings:
         return float(value) if ok else float(defaults[key])
 
     device = raw.get("device") if raw.get("device") in ("auto", "cuda", "cpu") else defaults["device"]
-    dist_timeout_s = seconds("dist_timeout_s")
-    return StartupSettings(device, dist_timeout_s, max(dist_timeout_s, seconds("startup_timeout_s")))
+    dist_timeout_s, startup_timeout_s = seconds("dist_timeout_s"), seconds("startup_timeout_s")
+    return StartupSettings(device, dist_timeout_s, max(dist_timeout_s, startup_timeout_s), startup_timeout_s)
 
 
 def _check(ok: bool, message: str) -> None:

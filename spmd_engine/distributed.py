@@ -10,7 +10,9 @@ import datetime
 import os
 import re
 import shutil
+import socket
 import subprocess
+import time
 from dataclasses import dataclass
 
 import torch
@@ -73,10 +75,45 @@ def discover_ranks(env: dict[str, str] | None = None) -> RankInfo:
     return RankInfo(0, 1, 0, "127.0.0.1", 0, "single")
 
 
-def init_process_group(info: RankInfo, use_cuda: bool, timeout_s: float) -> None:
-    """Create the default group once per process; on CUDA it has an NCCL and a gloo side."""
+class RendezvousUnreachable(ConnectionError):
+    """Nothing answered at the rendezvous address within startup_timeout_s (rank 0 or the launcher's
+    agent never started, or stopped before the rendezvous); the message is the job's one line."""
+
+
+def wait_for_rendezvous(info: RankInfo, timeout_s: float, poll_s: float = 0.2) -> None:
+    """Ranks other than 0: return once the store's port accepts a TCP connection, or raise
+    RendezvousUnreachable after `timeout_s`.
+
+    Why: torch's store client retries a refused connection for its whole timeout and then once more
+    (a rank whose rank 0 died before the rendezvous stayed ~20 minutes); a plain connect, retried
+    here, is bounded by the caller's limit and logs nothing.
+    """
+    if info.rank == 0:  # a plain launch's rank 0 hosts the store; under torchrun the agent does
+        return
+    deadline = time.monotonic() + timeout_s
+    address = (info.master_addr, info.master_port)
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            socket.create_connection(address, timeout=max(0.05, min(1.0, left))).close()
+            return
+        except OSError:
+            if left <= poll_s:
+                raise RendezvousUnreachable(
+                    f"rank {info.rank}: nothing answered at the rendezvous address {address[0]}:{address[1]} "
+                    f"within startup_timeout_s={timeout_s:g} (rank 0 did not start, or stopped before the "
+                    f"rendezvous)") from None
+            time.sleep(poll_s)
+
+
+def init_process_group(info: RankInfo, use_cuda: bool, timeout_s: float,
+                       startup_timeout_s: float | None = None) -> None:
+    """Create the default group once per process; on CUDA it has an NCCL and a gloo side.
+
+    `startup_timeout_s` bounds the wait for the rendezvous store to appear (default: `timeout_s`)."""
     if info.world_size == 1 or dist.is_initialized():
         return
+    wait_for_rendezvous(info, timeout_s if startup_timeout_s is None else startup_timeout_s)
     backend = "cuda:nccl,cpu:gloo" if use_cuda else "gloo"
     kwargs = {}
     if use_cuda:

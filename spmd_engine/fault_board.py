@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 ERROR = "error"  # this rank's own code raised
 LOST = "lost"  # a collective of this rank failed (a peer died or the network broke)
-TIMEOUT = "timeout"  # this rank's step or plan wait exceeded dist_timeout_s
+TIMEOUT = "timeout"  # no rank moved (see watchdog.py) for more than dist_timeout_s
 SIGNAL = "signal"  # this rank got SIGINT or SIGTERM
 PEER = "peer"  # this rank stops because another rank posted
 KINDS = (ERROR, LOST, TIMEOUT, SIGNAL, PEER)
@@ -25,7 +25,7 @@ class FaultEntry:
     kind: str  # one of KINDS
     step: int | None  # the rank's step (None: during start-up)
     phase: str  # progress phase name at the time
-    seconds: float  # how long the rank had been in that phase
+    seconds: float  # how long the rank had not moved (watchdog) in that phase, at most the phase's age
     timeout_s: float | None  # the phase's timeout (None: not watched, e.g. start-up)
     where: str  # innermost engine frame of the main thread (or of the exception)
     in_collective: bool  # waiting on the peers: inside torch.distributed, or on an issued forward
@@ -82,6 +82,23 @@ class FaultBoard:
     def beats(self) -> list[int]:
         """Every rank's heartbeat count so far (0 before its first)."""
         return [self.store.add(self._key(f"beat{r}"), 0) for r in range(self.world_size)]
+
+    def moved(self, rank: int) -> None:
+        """`rank`'s main thread made progress (a new phase, or CPU spent outside collectives)."""
+        self.store.add(self._key(f"move{rank}"), 1)
+
+    def moves(self) -> list[int]:
+        """Every rank's progress count so far (0 before its first)."""
+        return [self.store.add(self._key(f"move{r}"), 0) for r in range(self.world_size)]
+
+    def publish(self, rank: int, step: int | None, phase: str, where: str, in_collective: bool) -> None:
+        """Where `rank`'s main thread is now: what the report says of it if it freezes or dies."""
+        self.store.set(self._key(f"seen{rank}"), json.dumps({"step": step, "phase": phase, "where": where,
+                                                              "in_collective": in_collective}))
+
+    def last_seen(self, rank: int) -> dict | None:
+        key = self._key(f"seen{rank}")
+        return json.loads(self.store.get(key)) if self.store.check([key]) else None
 
     def has_posts(self) -> bool:
         return self.store.check([self._key("posted")])

@@ -25,10 +25,22 @@ def is_stuck(entry: FaultEntry) -> bool:
             and entry.seconds >= 0.5 * entry.timeout_s)
 
 
+def _last_seen(silent: list[int], last_seen: dict[int, dict] | None, step: int | None) -> str:
+    """Where the first silent rank's watchdog last saw its main thread (it can't post any more); only
+    if that was in the reporter's `step` (a fast rank's watchdog may not have polled since start-up)."""
+    seen = (last_seen or {}).get(silent[0]) if silent else None
+    if not seen or seen.get("step") is None or seen.get("step") != step:
+        return ""
+    who = f"rank {silent[0]} " if len(silent) > 1 else ""
+    waiting = " waiting in a collective" if seen.get("in_collective") else ""
+    return f"; {who}last seen {_at(seen.get('step'))} at {seen.get('where')}{waiting}"
+
+
 def summarize_faults(entries: dict[int, FaultEntry], world_size: int, reporter: FaultEntry,
-                     store_lost: bool = False) -> str:
+                     store_lost: bool = False, last_seen: dict[int, dict] | None = None) -> str:
     """One line naming the failing rank(s) and the reason. `reporter` is the calling rank's own entry
-    (its step dates a silent death); `store_lost`: the rendezvous store, hosted by rank 0, is gone."""
+    (its step dates a silent death); `store_lost`: the rendezvous store, hosted by rank 0, is gone;
+    `last_seen`: rank -> the location its watchdog last published (FaultBoard.last_seen)."""
     ordered = [entries[r] for r in sorted(entries)]
     of_kind = {kind: [e for e in ordered if e.kind == kind] for kind in (ERROR, LOST, TIMEOUT, SIGNAL)}
     silent = [r for r in range(world_size) if r not in entries]
@@ -48,7 +60,8 @@ def summarize_faults(entries: dict[int, FaultEntry], world_size: int, reporter: 
     if silent:
         how = ("its process group connections and the rendezvous store it hosts are gone" if store_lost
                else "killed, exited or its host failed")
-        return f"{_ranks(silent)} stopped {_at(reporter.step)} without reporting an error ({how})"
+        return (f"{_ranks(silent)} stopped {_at(reporter.step)} without reporting an error ({how})"
+                f"{_last_seen(silent, last_seen, reporter.step)}")
     if of_kind[SIGNAL]:
         first = of_kind[SIGNAL][0]
         who = _ranks([e.rank for e in of_kind[SIGNAL]]) if world_size > 1 else "the job"

@@ -1,9 +1,11 @@
 """Test-only fault injection, so the tests can prove that a failing rank never hangs the job.
 
-Enabled with `+fault.rank=R +fault.step=S +fault.kind=raise|exit|kill|hang` on the command line;
-every rank gets the same config and only rank R acts, just before step S's forward.
-`+fault.kind=slow_start +fault.seconds=N` instead makes rank R sleep N seconds before its requests
-are read (rank 0: as if tokenizing a huge prompts file), which must not time the others out.
+Enabled with `+fault.rank=R +fault.step=S +fault.kind=raise|exit|kill|hang|slow` on the command line;
+every rank gets the same config and only rank R acts (R=-1: every rank), just before step S's forward.
+`slow` computes (burns CPU in torch ops, as a long forward does) for `+fault.seconds=N`: a slow step,
+which must not be taken for a hang. `+fault.kind=slow_start +fault.seconds=N` instead makes rank R
+sleep N seconds before its requests are read (rank 0: as if tokenizing a huge prompts file), which
+must not time the others out.
 """
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ import signal
 import time
 from dataclasses import dataclass
 
-STEP_KINDS = ("raise", "exit", "kill", "hang")
+STEP_KINDS = ("raise", "exit", "kill", "hang", "slow")
 FAULT_KINDS = (*STEP_KINDS, "slow_start")
+EVERY_RANK = -1
 
 
 class InjectedFault(RuntimeError):
@@ -35,7 +38,7 @@ class FaultInjector:
         if kind not in FAULT_KINDS:
             raise ValueError(f"fault.kind must be one of {'|'.join(FAULT_KINDS)}, got {kind!r}")
         rank = int(fault.get("rank", 0))
-        return cls(rank if rank == my_rank else None, int(fault.get("step", 0)), kind,
+        return cls(my_rank if rank in (my_rank, EVERY_RANK) else None, int(fault.get("step", 0)), kind,
                    float(fault.get("seconds", 0.0)))
 
     def before_requests(self) -> None:
@@ -51,5 +54,21 @@ class FaultInjector:
             os._exit(3)
         if self.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.kind == "slow":
+            compute_for(self.seconds)
+            return
         while True:  # hang
             time.sleep(1)
+
+
+def compute_for(seconds: float) -> None:
+    """Keep this thread computing for `seconds` as a forward does: CPU-bound ops, one after another
+    (a host spinning in one place is a wait, not progress, to the watchdog)."""
+    import torch
+
+    x = torch.randn(96, 96, generator=torch.Generator().manual_seed(0))
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        x = torch.tanh(x @ x)
+        x = torch.sigmoid(x @ x.T)
+        x = torch.softmax(x @ x, dim=-1)

@@ -53,7 +53,8 @@ def run_job(raw_cfg: dict[str, Any], overrides: list[str], ranks: RankInfo, outp
     try:
         # the ranks meet first, then agree on the config: a bad key ends them together (after rank 0's files)
         startup = startup_settings(raw_cfg)
-        init_process_group(ranks, startup.device != "cpu" and torch.cuda.is_available(), startup.timeout_s)
+        init_process_group(ranks, startup.device != "cpu" and torch.cuda.is_available(), startup.timeout_s,
+                           startup.rendezvous_timeout_s)
         supervisor.attach(startup.dist_timeout_s)
         cfg = agreed(lambda: engine_config_from_dict(raw_cfg))
         agreed(lambda: check_prompts_file(cfg.prompts_file) if ranks.is_first else None)

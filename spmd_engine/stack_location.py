@@ -52,6 +52,13 @@ def thread_location(thread: threading.Thread) -> Location:
     return locate(_frame_list(sys._current_frames().get(thread.ident)))
 
 
+def thread_snapshot(thread: threading.Thread) -> tuple[Location, int]:
+    """Where `thread` is now and a key of its whole stack (every frame's file and line): a key that
+    keeps changing means the thread moves through code; one that stands still, that it waits or spins."""
+    frames = _frame_list(sys._current_frames().get(thread.ident))
+    return locate(frames), hash(tuple(frames))
+
+
 def exception_location(exc: BaseException) -> Location:
     """Where `exc` was raised."""
     frames = []

@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Callable
 from contextlib import contextmanager
 
-from spmd_engine.distributed import RankInfo
+from spmd_engine.distributed import RankInfo, RendezvousUnreachable
 from spmd_engine.error_line import report_error as _report_error
 from spmd_engine.fault_board import ERROR, LOST, PEER, SIGNAL, TIMEOUT, FaultBoard, FaultEntry
 from spmd_engine.fault_summary import summarize_faults
@@ -73,8 +73,8 @@ class Supervisor:
         """Each job, once the process group exists: watch steps with `timeout_s`; join the fault board."""
         self.progress.timeout_s = timeout_s
         self.jobs += 1
-        if self.watchdog is not None:
-            return
+        if self.watchdog is not None or self.ranks.world_size == 1:
+            return  # one process has no peer to wait for: a long step is only a long step
         if self.ranks.world_size > 1 and self.board is None:
             self.board = FaultBoard.connect(self.ranks.master_addr, self.ranks.master_port, self.ranks.world_size,
                                             max(10.0, self.grace_s), str(self.ranks.restart_count))
@@ -106,6 +106,12 @@ class Supervisor:
     # --- triggers -----------------------------------------------------------------------
     def fail(self, exc: BaseException) -> None:
         """The main thread caught `exc` (distributed jobs only: this never returns)."""
+        if isinstance(exc, RendezvousUnreachable):  # no store, no peers to tell: its message is the line
+            with self._lock:
+                self._stopping = True
+            report_error(str(exc))
+            self._finish(EXIT_FAULT)
+            return
         where = exception_location(exc)
         kind = LOST if where.in_collective or _is_dist_error(exc) else ERROR
         if kind == ERROR:  # the root cause: its traceback is worth one print
@@ -116,8 +122,9 @@ class Supervisor:
         name = signal.Signals(signum).name
         self._stop(self._entry(SIGNAL, self._main_location(), name), 128 + signum)
 
-    def on_timeout(self, phase: Phase) -> None:
-        message = f"no progress for {phase.elapsed(time.monotonic()):.1f} s > dist_timeout_s={phase.timeout_s:g}"
+    def on_timeout(self, phase: Phase, seconds: float) -> None:
+        """Neither this rank nor any peer moved for `seconds` (> the phase's timeout): the job is stuck."""
+        message = f"no progress in any rank for {seconds:.1f} s > dist_timeout_s={phase.timeout_s:g}"
         self._stop(self._entry(TIMEOUT, self._main_location(), message), EXIT_FAULT)
 
     def on_peer_post(self) -> None:
@@ -145,8 +152,9 @@ class Supervisor:
         return thread_location(self._main)
 
     def _entry(self, kind: str, where: Location, message: str) -> FaultEntry:
-        phase = self.progress.phase
-        return FaultEntry(self.ranks.rank, kind, phase.step, phase.name, round(phase.elapsed(time.monotonic()), 2),
+        phase, now, dog = self.progress.phase, time.monotonic(), self.watchdog
+        seconds = min(dog.stalled_s(now), phase.elapsed(now)) if dog is not None else phase.elapsed(now)
+        return FaultEntry(self.ranks.rank, kind, phase.step, phase.name, round(seconds, 2),
                           phase.timeout_s, where.where, where.in_collective or phase.issued, message)
 
     def _stop(self, entry: FaultEntry, code: int) -> None:
@@ -183,7 +191,7 @@ class Supervisor:
             board.post(own)
             if rank == 0:
                 entries = self._wait_for(lambda: len(board.entries()) == world, board.entries)
-                report_error(summarize_faults(entries, world, own))
+                report_error(summarize_faults(entries, world, own, last_seen=_last_seen(board, entries)))
                 board.mark_reported()
                 others = [r for r in board.entries() if r != 0]
                 self._wait_for(lambda: board.all_acked(others), lambda: None)
@@ -193,7 +201,8 @@ class Supervisor:
             if rank0_alive:
                 self._wait_for(board.is_reported, lambda: None)
             elif board.claim_report():
-                report_error(summarize_faults(board.entries(), world, own))
+                entries = board.entries()
+                report_error(summarize_faults(entries, world, own, last_seen=_last_seen(board, entries)))
                 board.mark_reported()
             board.ack(rank)
         except Exception:  # noqa: BLE001 - the store is gone; it lived on rank 0, so rank 0 is gone
@@ -218,6 +227,15 @@ class Supervisor:
             except Exception:  # noqa: BLE001
                 pass
         self._exit(code)
+
+
+def _last_seen(board: FaultBoard, entries: dict[int, FaultEntry]) -> dict[int, dict]:
+    """The published locations of the ranks that did not post (they are dead or frozen)."""
+    seen = {}
+    for rank in range(board.world_size):
+        if rank not in entries and (where := board.last_seen(rank)) is not None:
+            seen[rank] = where
+    return seen
 
 
 def _is_dist_error(exc: BaseException) -> bool:

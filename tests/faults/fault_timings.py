@@ -22,7 +22,9 @@ CASES = {  # name -> (fault rank, fault kind, step, dist_timeout_s, SIGINT to ra
     "raise-rank1": (1, "raise", 5, 60, False),
     "hang-rank1": (1, "hang", 5, 10, False),
     "sigint-rank0-while-rank1-hangs": (1, "hang", 6, 60, True),
+    "slow-every-rank": (-1, "slow", 5, 10, False),  # 25 s of host compute on both ranks: must complete (exit 0)
 }
+SLOW_S = 25
 
 
 def main() -> None:
@@ -40,7 +42,7 @@ def main() -> None:
                 "sampling.temperature=0", "sampling.max_tokens=2", "sampling.ignore_eos=true", "max_num_seqs=1",
                 "num_kv_blocks=64", "max_model_len=64", f"dist_timeout_s={timeout_s}", "log_level=WARNING",
                 f"hydra.run.dir={opts.out / name}", f"+fault.rank={rank}", f"+fault.step={step}",
-                f"+fault.kind={kind}"]
+                f"+fault.kind={kind}", f"+fault.seconds={SLOW_S}"]
         launches[name] = start_plain(name, args, opts.out)
     for name, (*_, sigint) in CASES.items():
         if sigint:
@@ -52,7 +54,7 @@ def main() -> None:
 
     report = {}
     for name, launch in launches.items():
-        rank = CASES[name][0]
+        rank = max(0, CASES[name][0])
         ended = [p.ended for p in launch.procs]
         start = marks.get(name, ended[rank] if CASES[name][1] in ("kill", "raise") else None)
         report[name] = {

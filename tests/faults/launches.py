@@ -81,11 +81,12 @@ def _spawn(cmd: list[str], env: dict[str, str], logs: Path, tag: str) -> Proc:
 
 
 def start_plain(name: str, args: list[str], logs: Path, world: int = 2,
-                env_by_rank: dict[int, dict[str, str]] | None = None) -> Launch:
-    """`world` processes of `python run.py ARGS` with the launch variables set by hand."""
+                env_by_rank: dict[int, dict[str, str]] | None = None, only: list[int] | None = None) -> Launch:
+    """`world` processes of `python run.py ARGS` with the launch variables set by hand (`only`: start
+    just these ranks, as if the others had died before the rendezvous)."""
     port = str(free_port())
     launch = Launch(name)
-    for rank in range(world):
+    for rank in range(world) if only is None else only:
         env = engine_env()
         env.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})

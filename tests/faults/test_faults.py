@@ -26,3 +26,14 @@ def test_slow_start_sleeps_before_requests_only():
 def test_unknown_kind_is_one_line():
     with pytest.raises(ValueError, match="fault.kind must be one of raise"):
         FaultInjector.from_config({"kind": "explode"}, 0)
+
+
+def test_slow_computes_on_every_rank_when_rank_is_minus_one():
+    cfg = {"rank": -1, "step": 2, "kind": "slow", "seconds": 0.3}
+    for rank in (0, 1, 2):
+        slow = FaultInjector.from_config(cfg, my_rank=rank)
+        assert slow.rank == rank
+        t0, cpu0 = time.monotonic(), time.thread_time()
+        slow.before_step(2)
+        assert time.monotonic() - t0 >= 0.3 and time.thread_time() - cpu0 > 0.1  # computed, did not sleep
+    assert FaultInjector.from_config({**cfg, "rank": 1}, my_rank=0).rank is None
