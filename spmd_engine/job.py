@@ -20,8 +20,9 @@ from spmd_engine.distributed import RankInfo, all_reduce_min, init_process_group
 from spmd_engine.engine import LLM, agreed
 from spmd_engine.error_line import report_error
 from spmd_engine.metrics import summarize, write_metrics
-from spmd_engine.outputs import OutputsWriter, RequestOutput, read_outputs
+from spmd_engine.outputs import OutputsWriter, RequestOutput, read_outputs, resume_mismatch
 from spmd_engine.preflight import check_prompts_file
+from spmd_engine.run_dir import RunDirLock, claim_run_dir
 from spmd_engine.supervisor import Supervisor
 from spmd_engine.workloads import build_requests, run_bench_warmup
 
@@ -50,12 +51,13 @@ def run_job(raw_cfg: dict[str, Any], overrides: list[str], ranks: RankInfo, outp
     started = time.time()
     metrics: dict[str, Any] = {"overrides": overrides, "status": "failed", "world_size": ranks.world_size}
     llm: LLM | None = None
+    run_dir_lock: RunDirLock | None = None
     try:
         cfg = engine_config_from_dict(raw_cfg)
         use_cuda = cfg.device != "cpu" and torch.cuda.is_available()
         init_process_group(ranks, use_cuda, max(cfg.dist_timeout_s, cfg.startup_timeout_s))
         supervisor.attach(cfg.dist_timeout_s)
-        agreed(lambda: check_prompts_file(cfg.prompts_file) if ranks.is_first else None)
+        run_dir_lock = agreed(lambda: _start_checks(cfg, output_dir) if ranks.is_first else None)
         llm = LLM(cfg, ranks, step_progress=supervisor.progress)
         metrics.update(_generate(llm, cfg, ranks, output_dir, supervisor))
         metrics["status"] = "ok"
@@ -76,8 +78,17 @@ def run_job(raw_cfg: dict[str, Any], overrides: list[str], ranks: RankInfo, outp
         supervisor.detach()
         if llm is not None:
             llm.close()
+        if run_dir_lock is not None:
+            run_dir_lock.release()
     _write(metrics, raw_cfg, ranks, output_dir, started)
     return metrics if ranks.is_first else None
+
+
+def _start_checks(cfg: EngineConfig, output_dir: Path | None) -> RunDirLock | None:
+    """Rank 0's start-up checks (inside `agreed`): the prompts file is there, the run dir is writable,
+    no other job writes it, and a rerun without resume=true would not drop finished rows."""
+    check_prompts_file(cfg.prompts_file)
+    return claim_run_dir(output_dir, cfg.resume) if output_dir is not None else None
 
 
 def _write(metrics: dict, raw_cfg: dict, ranks: RankInfo, output_dir: Path | None, started: float) -> None:
@@ -94,8 +105,9 @@ def _generate(llm: LLM, cfg: EngineConfig, ranks: RankInfo, output_dir: Path | N
     gate = supervisor.start_gate()
     llm.faults.before_requests()
     if not ranks.is_first:
-        if gate is not None:
-            gate.wait()  # rank 0 reads and tokenizes first, for as long as that takes
+        refusal = gate.wait() if gate is not None else None  # rank 0 reads and tokenizes first
+        if refusal is not None:
+            raise ConfigError(refusal)  # rank 0 refused the requests (a user error): leave with it
         if cfg.workload.name == "bench" and cfg.workload.params.get("warmup", True):
             llm.generate([])
         llm.generate([])
@@ -103,14 +115,22 @@ def _generate(llm: LLM, cfg: EngineConfig, ranks: RankInfo, output_dir: Path | N
     from spmd_engine.prompts import load_tokenizer
     tokenizer = load_tokenizer(llm.source.tokenizer_dir) if llm.source.tokenizer_dir else None
     requests = build_requests(cfg, tokenizer, llm.shape.vocab_size)
+    sampling = {r.index: {**vars(cfg.sampling), **r.overrides} for r in requests}
     done: list[dict] = []
     outputs_path = output_dir / "outputs.jsonl" if output_dir else None
     if cfg.resume and outputs_path is not None:
         done = read_outputs(outputs_path)
+        mismatch = resume_mismatch(done, requests, sampling.get)
+        if mismatch is not None:
+            error = ConfigError(f"resume=true: {mismatch}; the prompts or sampling changed since that run, so its "
+                                "rows can't stand in for this job's: use another hydra.run.dir")
+            if gate is not None:
+                gate.refuse(str(error))
+            raise error
         finished = {row["index"] for row in done}
         requests = [r for r in requests if r.index not in finished]
         log.info("resume: %d requests already in %s, %d to run", len(finished), outputs_path, len(requests))
-    writer = OutputsWriter(outputs_path, keep=done) if outputs_path else None
+    writer = OutputsWriter(outputs_path, keep=done, sampling_of=sampling.get) if outputs_path else None
     if gate is not None:
         gate.open()  # everything slow on rank 0 alone is done: the plans follow
     if cfg.workload.name == "bench" and cfg.workload.params.get("warmup", True):
