@@ -56,6 +56,10 @@ def error_echo(prompt: str | None, prompt_token_ids: list[int] | None) -> dict:
     return echo
 
 
+# line breaks to str.splitlines (not to JSON): escaped, so a row stays one line to any reader
+_SPLITLINES_BREAKS = {0x85: "\\u0085", 0x2028: "\\u2028", 0x2029: "\\u2029"}
+
+
 def _dumps(row: dict) -> str:
     """One JSON line; text that can't be UTF-8 (a lone surrogate) is written escaped instead of failing."""
     line = json.dumps(row, ensure_ascii=False)
@@ -63,7 +67,7 @@ def _dumps(row: dict) -> str:
         line.encode("utf-8")
     except UnicodeEncodeError:
         line = json.dumps(row)
-    return line + "\n"
+    return line.translate(_SPLITLINES_BREAKS) + "\n"
 
 
 class OutputsWriter:
