@@ -22,7 +22,7 @@ from spmd_engine.error_line import report_error
 from spmd_engine.metrics import summarize, write_metrics
 from spmd_engine.outputs import OutputsWriter, RequestOutput, read_outputs, resume_mismatch
 from spmd_engine.preflight import check_prompts_file
-from spmd_engine.run_dir import RunDirLock, claim_run_dir
+from spmd_engine.run_dir import RunDirLock, RunDirRefused, claim_run_dir
 from spmd_engine.supervisor import Supervisor
 from spmd_engine.workloads import build_requests, run_bench_warmup
 
@@ -52,22 +52,25 @@ def run_job(raw_cfg: dict[str, Any], overrides: list[str], ranks: RankInfo, outp
     metrics: dict[str, Any] = {"overrides": overrides, "status": "failed", "world_size": ranks.world_size}
     llm: LLM | None = None
     run_dir_lock: RunDirLock | None = None
+    refused: list[str] = []  # rank 0's run dir was refused: write nothing into it (metrics.json neither)
     try:
         cfg = engine_config_from_dict(raw_cfg)
         use_cuda = cfg.device != "cpu" and torch.cuda.is_available()
         init_process_group(ranks, use_cuda, max(cfg.dist_timeout_s, cfg.startup_timeout_s))
         supervisor.attach(cfg.dist_timeout_s)
-        run_dir_lock = agreed(lambda: _start_checks(cfg, output_dir) if ranks.is_first else None)
+        run_dir_lock = agreed(lambda: _start_checks(cfg, output_dir, refused) if ranks.is_first else None)
         llm = LLM(cfg, ranks, step_progress=supervisor.progress)
         metrics.update(_generate(llm, cfg, ranks, output_dir, supervisor))
         metrics["status"] = "ok"
     except ConfigError as exc:  # every rank raises it (engine.agreed) or none does
         supervisor.detach()
+        if isinstance(exc, RunDirRefused):
+            refused.append(str(exc))
         metrics["error"] = str(exc)
         if ranks.is_first:
             report_error(str(exc))
         if not multirun:
-            _write(metrics, raw_cfg, ranks, output_dir, started)
+            _write(metrics, raw_cfg, ranks, None if refused else output_dir, started)
             all_reduce_min(0)  # every rank agreed on this error: leave together, after rank 0 wrote its files
             raise SystemExit(EXIT_USER_ERROR)
     except Exception as exc:
@@ -80,15 +83,21 @@ def run_job(raw_cfg: dict[str, Any], overrides: list[str], ranks: RankInfo, outp
             llm.close()
         if run_dir_lock is not None:
             run_dir_lock.release()
-    _write(metrics, raw_cfg, ranks, output_dir, started)
+    _write(metrics, raw_cfg, ranks, None if refused else output_dir, started)
     return metrics if ranks.is_first else None
 
 
-def _start_checks(cfg: EngineConfig, output_dir: Path | None) -> RunDirLock | None:
+def _start_checks(cfg: EngineConfig, output_dir: Path | None, refused: list[str]) -> RunDirLock | None:
     """Rank 0's start-up checks (inside `agreed`): the prompts file is there, the run dir is writable,
     no other job writes it, and a rerun without resume=true would not drop finished rows."""
     check_prompts_file(cfg.prompts_file)
-    return claim_run_dir(output_dir, cfg.resume) if output_dir is not None else None
+    if output_dir is None:
+        return None
+    try:
+        return claim_run_dir(output_dir, cfg.resume)
+    except ConfigError as exc:
+        refused.append(str(exc))
+        raise
 
 
 def _write(metrics: dict, raw_cfg: dict, ranks: RankInfo, output_dir: Path | None, started: float) -> None:
@@ -122,7 +131,7 @@ def _generate(llm: LLM, cfg: EngineConfig, ranks: RankInfo, output_dir: Path | N
         done = read_outputs(outputs_path)
         mismatch = resume_mismatch(done, requests, sampling.get)
         if mismatch is not None:
-            error = ConfigError(f"resume=true: {mismatch}; the prompts or sampling changed since that run, so its "
+            error = RunDirRefused(f"resume=true: {mismatch}; the prompts or sampling changed since that run, so its "
                                 "rows can't stand in for this job's: use another hydra.run.dir")
             if gate is not None:
                 gate.refuse(str(error))

@@ -2,8 +2,9 @@
 
 Why: outputs.jsonl holds finished work. A rerun into the same dir used to truncate it, two jobs
 writing one dir interleaved their lines and shared its .tmp, and an unwritable dir ended rank 0 in
-a Hydra traceback before any collective while the other ranks waited for it. These checks run in
-the start-up `agreed` check, so every rank leaves with the same one line (exit 2).
+a Hydra traceback before any collective while the other ranks waited for it. The reasons are
+raised in the start-up `agreed` check, so every rank leaves with the same one line (exit 2), and a
+refused job writes nothing into the dir.
 """
 from __future__ import annotations
 
@@ -24,29 +25,38 @@ from spmd_engine.config import ConfigError
 from spmd_engine.outputs import read_outputs
 
 LOCK_NAME = "outputs.jsonl.lock"
-_UNWRITABLE: list[str] = []  # set by RunDirCheck in this process: why Hydra's dir could not be used
 
 
-def unwritable_run_dir() -> str | None:
-    """The one-line reason this process's Hydra output dir was not writable, or None."""
-    return _UNWRITABLE[-1] if _UNWRITABLE else None
+class RunDirRefused(ConfigError):
+    """A user error about the run dir's contents: the job leaves it exactly as it found it."""
+
+
+_REFUSED: list[str] = []  # set by RunDirCheck in this process: why Hydra's dir was not used
+
+
+def refused_run_dir() -> str | None:
+    """The one-line reason RunDirCheck kept Hydra out of this process's output dir, or None."""
+    return _REFUSED[-1] if _REFUSED else None
 
 
 class RunDirCheck(Callback):
-    """Hydra callback (conf/config.yaml): an unwritable `hydra.run.dir` / `hydra.sweep.dir` becomes a
-    user error of the job instead of a traceback in Hydra before the job starts.
+    """Hydra callback (conf/config.yaml): a run dir that can't or must not be used becomes a user error
+    of the job (one line, exit 2 on every rank) before Hydra writes anything into it.
 
-    Hydra creates the dir, its log file and .hydra/ before calling the job; had it failed there,
-    rank 0 would never reach the start-up collectives and the other ranks would wait for it. So
-    the dir is probed first; if it can't be written, Hydra is pointed at a scratch dir (removed at
-    exit) and the job reports the reason in its start-up check.
+    Hydra creates the dir, its log file and .hydra/ before calling the job. An unwritable dir failed
+    there, in a traceback, before rank 0 reached the start-up collectives (the other ranks waited
+    for it); a dir in use by another job, or one holding finished rows without `resume=true`, would
+    get its .hydra/ config overwritten by a job that is then refused. So the dir is checked first;
+    if refused, Hydra is pointed at a scratch dir (removed at exit) and the job reports the reason in
+    its start-up check. The job's own checks (`claim_run_dir`) remain the authority (multirun job
+    dirs, races).
     """
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        _redirect_if_unwritable(config, "run")
+        _redirect_if_refused(config, "run", check_use=True)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        _redirect_if_unwritable(config, "sweep")
+        _redirect_if_refused(config, "sweep", check_use=False)  # job dirs are checked by each job
 
 
 def _probe(directory: Path) -> None:
@@ -56,20 +66,33 @@ def _probe(directory: Path) -> None:
         pass
 
 
-def _redirect_if_unwritable(config: DictConfig, kind: str) -> None:
+def _refusal(directory: Path, key: str, resume: bool, check_use: bool) -> str | None:
+    try:
+        _probe(directory)
+    except OSError as exc:
+        return (f"{key}={str(directory)!r} is not writable ({exc.strerror or type(exc).__name__}); choose a "
+                "directory this user can write (outputs.jsonl and metrics.json go there)")
+    if check_use:
+        try:
+            lock_run_dir(directory).release()  # only a probe: the job takes the lock for its life
+            check_rerun(directory, resume)
+        except ConfigError as exc:
+            return str(exc)
+    return None
+
+
+def _redirect_if_refused(config: DictConfig, kind: str, check_use: bool) -> None:
     key = f"hydra.{kind}.dir"
     try:
-        directory = str(OmegaConf.select(config, key))
-    except Exception:  # an interpolation only Hydra can resolve: leave the dir to Hydra
+        directory = Path(str(OmegaConf.select(config, key)))
+        resume = bool(OmegaConf.select(config, "resume", default=False))
+    except Exception:  # an interpolation only Hydra can resolve: leave the dir to Hydra and the job
         return
-    try:
-        _probe(Path(directory))
+    reason = _refusal(directory, key, resume, check_use)
+    if reason is None:
         return
-    except OSError as exc:
-        reason = exc.strerror or type(exc).__name__
-    _UNWRITABLE.append(f"{key}={directory!r} is not writable ({reason}); choose a directory this user can "
-                       "write (outputs.jsonl and metrics.json go there)")
-    scratch = tempfile.mkdtemp(prefix="spmd-engine-unwritable-")
+    _REFUSED.append(reason)
+    scratch = tempfile.mkdtemp(prefix="spmd-engine-refused-")
     atexit.register(shutil.rmtree, scratch, True)
     with read_write(config.hydra):
         config.hydra[kind].dir = scratch
@@ -98,14 +121,14 @@ def lock_run_dir(run_dir: Path) -> RunDirLock:
             path.parent.mkdir(parents=True, exist_ok=True)
             file = open(path, "a+", encoding="utf-8")
         except OSError as exc:
-            raise ConfigError(f"hydra.run.dir={str(run_dir)!r} is not writable ({exc.strerror or exc})") from None
+            raise RunDirRefused(f"hydra.run.dir={str(run_dir)!r} is not writable ({exc.strerror or exc})") from None
         try:
             fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:  # BlockingIOError: another process holds it
             file.seek(0)
             holder = file.read(200).strip().splitlines()
             file.close()
-            raise ConfigError(f"hydra.run.dir={str(run_dir)!r} is in use by another job "
+            raise RunDirRefused(f"hydra.run.dir={str(run_dir)!r} is in use by another job "
                               f"({holder[0] if holder else 'unknown process'}); one job writes a run dir at a "
                               "time: wait for it to end or use another hydra.run.dir") from None
         try:
@@ -130,12 +153,12 @@ def check_rerun(run_dir: Path, resume: bool) -> None:
     try:
         open(outputs, "a", encoding="utf-8").close()
     except OSError as exc:
-        raise ConfigError(f"{str(outputs)!r} is not writable ({exc.strerror or exc})") from None
+        raise RunDirRefused(f"{str(outputs)!r} is not writable ({exc.strerror or exc})") from None
     if resume:
         return
     finished = len({row["index"] for row in read_outputs(outputs)})
     if finished:
-        raise ConfigError(f"hydra.run.dir={str(run_dir)!r} already holds {finished} finished rows in "
+        raise RunDirRefused(f"hydra.run.dir={str(run_dir)!r} already holds {finished} finished rows in "
                           "outputs.jsonl; pass resume=true to continue that run, or use another hydra.run.dir "
                           "(nothing was overwritten)")
 
@@ -143,9 +166,9 @@ def check_rerun(run_dir: Path, resume: bool) -> None:
 def claim_run_dir(run_dir: Path, resume: bool) -> RunDirLock:
     """Rank 0's start-up check of its run dir: writable, not in use, no finished rows dropped.
     Returns the lock, to be released when the job ends."""
-    reason = unwritable_run_dir()
+    reason = refused_run_dir()
     if reason is not None:
-        raise ConfigError(reason)
+        raise RunDirRefused(reason)
     lock = lock_run_dir(run_dir)
     try:
         check_rerun(run_dir, resume)

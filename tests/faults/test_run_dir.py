@@ -43,6 +43,11 @@ def _copy(job: Path, to: Path) -> tuple[Path, bytes]:
     return to, (to / "outputs.jsonl").read_bytes()
 
 
+def _files(directory: Path) -> dict[str, bytes]:
+    """Every file under `directory` (relative path -> bytes): what a refused job must leave as it was."""
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
 def _one_error_line(run, *words: str) -> None:
     lines = run.stderr.strip().splitlines()
     assert run.returncode == 2, run.describe()
@@ -92,6 +97,8 @@ def test_rerun_second_writer_and_unwritable_dir_end_the_job_with_one_line(fault_
     job, finished = _copy(finished_job[0], tmp_path / "job")
     prompts = finished_job[1]
     assert len(finished.splitlines()) == 3 and not (job / LOCK_NAME).exists()
+    before = _files(job)
+    assert {"outputs.jsonl", "metrics.json", ".hydra/config.yaml"} <= set(before)
     busy = tmp_path / "busy"
     held = lock_run_dir(busy)  # a job still writing there
     (tmp_path / "a-file").write_text("x")
@@ -103,9 +110,9 @@ def test_rerun_second_writer_and_unwritable_dir_end_the_job_with_one_line(fault_
     finally:
         held.release()
     _one_error_line(rerun, "already holds 3 finished rows", "resume=true", "another hydra.run.dir")
-    assert (job / "outputs.jsonl").read_bytes() == finished  # untouched
+    assert _files(job) == before  # untouched: outputs, metrics, Hydra's config and log
     _one_error_line(second, "is in use by another job", f"pid {os.getpid()}")
-    assert not (busy / "outputs.jsonl").exists()
+    assert _files(busy) == {}  # (the lock file was removed on release)
     _one_error_line(unwritable, "hydra.run.dir=", "a-file/job", "is not writable (Not a directory)")
     for run in (rerun, second, unwritable):
         assert " loaded (" not in run.stdout  # refused before the weights were read
@@ -130,6 +137,7 @@ def test_resume_with_another_prompts_file_is_refused_on_every_rank(fault_ckpt: P
                     "prompt_token_ids differ: kept [8, 9], now [8, 9, 1]")
     assert rank1.returncode == 2 and "Traceback" not in rank1.stderr, rank1.describe()
     assert (job / "outputs.jsonl").read_bytes() == finished
+    assert (job / "metrics.json").read_bytes() == (finished_job[0] / "metrics.json").read_bytes()
     same, _ = _copy(finished_job[0], tmp_path / "same")
     hotter, again = run_engines([_args(fault_ckpt, job, prompts, "resume=true", "sampling.temperature=0.5"),
                                  _args(fault_ckpt, same, prompts, "resume=true")], tmp_path, timeout_s=120)
