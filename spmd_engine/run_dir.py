@@ -96,6 +96,8 @@ def _redirect_if_refused(config: DictConfig, kind: str, check_use: bool) -> None
     atexit.register(shutil.rmtree, scratch, True)
     with read_write(config.hydra):
         config.hydra[kind].dir = scratch
+        if kind == "sweep":  # each sweep job's config is composed again from these overrides
+            config.hydra.overrides.hydra.append(f"hydra.sweep.dir={scratch}")
 
 
 @dataclass

@@ -103,10 +103,12 @@ def test_rerun_second_writer_and_unwritable_dir_end_the_job_with_one_line(fault_
     held = lock_run_dir(busy)  # a job still writing there
     (tmp_path / "a-file").write_text("x")
     try:
-        rerun, second, unwritable = run_engines([
+        rerun, second, unwritable, sweep = run_engines([
             _args(fault_ckpt, job, prompts),
             _args(fault_ckpt, busy, prompts),
-            _args(fault_ckpt, tmp_path / "a-file" / "job", prompts)], tmp_path, timeout_s=120)
+            _args(fault_ckpt, tmp_path / "a-file" / "job", prompts),
+            ["-m", *_args(fault_ckpt, job, prompts)[:-1], "block_size=16,32",
+             f"hydra.sweep.dir={tmp_path / 'a-file' / 'sweep'}"]], tmp_path, timeout_s=120)
     finally:
         held.release()
     _one_error_line(rerun, "already holds 3 finished rows", "resume=true", "another hydra.run.dir")
@@ -114,7 +116,10 @@ def test_rerun_second_writer_and_unwritable_dir_end_the_job_with_one_line(fault_
     _one_error_line(second, "is in use by another job", f"pid {os.getpid()}")
     assert _files(busy) == {}  # (the lock file was removed on release)
     _one_error_line(unwritable, "hydra.run.dir=", "a-file/job", "is not writable (Not a directory)")
-    for run in (rerun, second, unwritable):
+    # a sweep: each point fails with the line (and the sweep goes on), no Hydra traceback
+    assert sweep.stderr.count("error: hydra.sweep.dir=") == 2 and "is not writable" in sweep.stderr, sweep.describe()
+    assert "Traceback" not in sweep.stdout + sweep.stderr
+    for run in (rerun, second, unwritable, sweep):
         assert " loaded (" not in run.stdout  # refused before the weights were read
 
 
