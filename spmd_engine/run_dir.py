@@ -85,7 +85,7 @@ def _redirect_if_refused(config: DictConfig, kind: str, check_use: bool) -> None
     key = f"hydra.{kind}.dir"
     try:
         directory = Path(str(OmegaConf.select(config, key)))
-        resume = bool(OmegaConf.select(config, "resume", default=False))
+        resume = OmegaConf.select(config, "resume", default=False) is True
     except Exception:  # an interpolation only Hydra can resolve: leave the dir to Hydra and the job
         return
     reason = _refusal(directory, key, resume, check_use)
