@@ -7,6 +7,7 @@ keep this rank's shard, and checks that every expected tensor arrived exactly as
 from __future__ import annotations
 
 import json
+import os
 import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -57,12 +58,31 @@ def load_weights(
                          f"{', '.join(missing[:3])}{more}")
 
 
+def _check_shard_name(root: Path, name: object) -> None:
+    """A shard the index names must be a file inside the checkpoint dir (no absolute path, no `..`).
+
+    Why: the index comes with downloaded weights; it must not make the engine read files elsewhere.
+    Symlinks inside the dir (the Hugging Face cache's snapshots) are the owner's own and allowed.
+    """
+    normal = os.path.normpath(name) if isinstance(name, str) and name and "\0" not in name else None
+    inside = normal is not None and not os.path.isabs(normal) and normal.split(os.sep)[0] not in ("..", ".")
+    if not inside:
+        shown = repr(name) if len(repr(name)) <= 80 else repr(name)[:80] + "..."
+        raise ValueError(f"model.path {str(root)!r}: {INDEX_FILE} names shard {shown}, which is not a file "
+                         "inside the checkpoint dir (weight_map values must be file names relative to it)")
+
+
 def safetensors_files(checkpoint_dir: str | Path) -> list[Path]:
     """The checkpoint's .safetensors files: the index's shards, the single file, or every one."""
     root = Path(checkpoint_dir)
     if (root / INDEX_FILE).is_file():
         weight_map = json.loads((root / INDEX_FILE).read_text())["weight_map"]
-        return [root / name for name in sorted(set(weight_map.values()))]
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"model.path {str(root)!r}: {INDEX_FILE}'s weight_map is not an object")
+        names = set(weight_map.values())
+        for name in sorted(names, key=repr):
+            _check_shard_name(root, name)
+        return [root / name for name in sorted(names)]
     if (root / SINGLE_FILE).is_file():
         return [root / SINGLE_FILE]
     files = sorted(root.glob("*.safetensors"))

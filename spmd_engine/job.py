@@ -20,8 +20,9 @@ from spmd_engine.distributed import RankInfo, all_reduce_min, init_process_group
 from spmd_engine.engine import LLM, agreed
 from spmd_engine.error_line import error_line, report_error, write_error_file
 from spmd_engine.metrics import summarize, write_metrics
-from spmd_engine.outputs import OutputsWriter, RequestOutput, read_outputs
+from spmd_engine.outputs import OutputsWriter, RequestOutput, read_outputs, resume_mismatch
 from spmd_engine.preflight import check_prompts_file
+from spmd_engine.run_dir import RunDirLock, RunDirRefused, claim_run_dir
 from spmd_engine.supervisor import Supervisor
 from spmd_engine.workloads import build_requests, run_bench_warmup
 
@@ -50,6 +51,8 @@ def run_job(raw_cfg: dict[str, Any], overrides: list[str], ranks: RankInfo, outp
     started = time.time()
     metrics: dict[str, Any] = {"overrides": overrides, "status": "failed", "world_size": ranks.world_size}
     llm: LLM | None = None
+    run_dir_lock: RunDirLock | None = None
+    refused: list[str] = []  # rank 0's run dir was refused: write nothing into it (metrics.json neither)
     try:
         # the ranks meet first, then agree on the config: a bad key ends them together (after rank 0's files)
         startup = startup_settings(raw_cfg)
@@ -57,19 +60,21 @@ def run_job(raw_cfg: dict[str, Any], overrides: list[str], ranks: RankInfo, outp
                            startup.rendezvous_timeout_s)
         supervisor.attach(startup.dist_timeout_s)
         cfg = agreed(lambda: engine_config_from_dict(raw_cfg))
-        agreed(lambda: check_prompts_file(cfg.prompts_file) if ranks.is_first else None)
+        run_dir_lock = agreed(lambda: _start_checks(cfg, output_dir, refused) if ranks.is_first else None)
         llm = LLM(cfg, ranks, step_progress=supervisor.progress)
         metrics.update(_generate(llm, cfg, ranks, output_dir, supervisor))
         metrics["status"] = "ok"
     except ConfigError as exc:  # every rank raises it (engine.agreed) or none does
         supervisor.detach()
+        if isinstance(exc, RunDirRefused):
+            refused.append(str(exc))
         metrics["error"] = str(exc)
         if ranks.is_first:
             report_error(str(exc))
         else:
             write_error_file(error_line(str(exc)))  # torchrun's summary: every rank's entry says why
         if not multirun:
-            _write(metrics, raw_cfg, ranks, output_dir, started)
+            _write(metrics, raw_cfg, ranks, None if refused else output_dir, started)
             all_reduce_min(0)  # every rank agreed on this error: leave together, after rank 0 wrote its files
             raise SystemExit(EXIT_USER_ERROR)
     except Exception as exc:
@@ -80,8 +85,23 @@ def run_job(raw_cfg: dict[str, Any], overrides: list[str], ranks: RankInfo, outp
         supervisor.detach()
         if llm is not None:
             llm.close()
-    _write(metrics, raw_cfg, ranks, output_dir, started)
+        if run_dir_lock is not None:
+            run_dir_lock.release()
+    _write(metrics, raw_cfg, ranks, None if refused else output_dir, started)
     return metrics if ranks.is_first else None
+
+
+def _start_checks(cfg: EngineConfig, output_dir: Path | None, refused: list[str]) -> RunDirLock | None:
+    """Rank 0's start-up checks (inside `agreed`): the prompts file is there, the run dir is writable,
+    no other job writes it, and a rerun without resume=true would not drop finished rows."""
+    check_prompts_file(cfg.prompts_file)
+    if output_dir is None:
+        return None
+    try:
+        return claim_run_dir(output_dir, cfg.resume)
+    except ConfigError as exc:
+        refused.append(str(exc))
+        raise
 
 
 def _write(metrics: dict, raw_cfg: dict, ranks: RankInfo, output_dir: Path | None, started: float) -> None:
@@ -98,8 +118,9 @@ def _generate(llm: LLM, cfg: EngineConfig, ranks: RankInfo, output_dir: Path | N
     gate = supervisor.start_gate()
     llm.faults.before_requests()
     if not ranks.is_first:
-        if gate is not None:
-            gate.wait()  # rank 0 reads and tokenizes first, for as long as that takes
+        refusal = gate.wait() if gate is not None else None  # rank 0 reads and tokenizes first
+        if refusal is not None:
+            raise ConfigError(refusal)  # rank 0 refused the requests (a user error): leave with it
         if cfg.workload.name == "bench" and cfg.workload.params.get("warmup", True):
             llm.generate([])
         llm.generate([])
@@ -107,14 +128,22 @@ def _generate(llm: LLM, cfg: EngineConfig, ranks: RankInfo, output_dir: Path | N
     from spmd_engine.prompts import load_tokenizer
     tokenizer = load_tokenizer(llm.source.tokenizer_dir) if llm.source.tokenizer_dir else None
     requests = build_requests(cfg, tokenizer, llm.shape.vocab_size)
+    sampling = {r.index: {**vars(cfg.sampling), **r.overrides} for r in requests}
     done: list[dict] = []
     outputs_path = output_dir / "outputs.jsonl" if output_dir else None
     if cfg.resume and outputs_path is not None:
         done = read_outputs(outputs_path)
+        mismatch = resume_mismatch(done, requests, sampling.get)
+        if mismatch is not None:
+            error = RunDirRefused(f"resume=true: {mismatch}; the prompts or sampling changed since that run, so its "
+                                "rows can't stand in for this job's: use another hydra.run.dir")
+            if gate is not None:
+                gate.refuse(str(error))
+            raise error
         finished = {row["index"] for row in done}
         requests = [r for r in requests if r.index not in finished]
         log.info("resume: %d requests already in %s, %d to run", len(finished), outputs_path, len(requests))
-    writer = OutputsWriter(outputs_path, keep=done) if outputs_path else None
+    writer = OutputsWriter(outputs_path, keep=done, sampling_of=sampling.get) if outputs_path else None
     if gate is not None:
         gate.open()  # everything slow on rank 0 alone is done: the plans follow
     if cfg.workload.name == "bench" and cfg.workload.params.get("warmup", True):

@@ -11,6 +11,12 @@ import os
 import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any, Callable
+
+# What an error row echoes of its request: a 5 MB prompt that fails must not become a 15 MB row.
+ERROR_ECHO_CHARS = 200  # first characters of `prompt`; `prompt_chars` then holds the full length
+ERROR_ECHO_TOKENS = 64  # first `prompt_token_ids`; `prompt_num_tokens` then holds the full count
+ERROR_TEXT_CHARS = 1000  # the `error` line itself
 
 
 @dataclass
@@ -32,14 +38,47 @@ class RequestOutput:
         d = asdict(self)
         for k in ("first_token_time", "finish_time", "token_times", "num_cached_tokens"):
             d.pop(k)
+        if self.finish_reason == "error":
+            d.update(error_echo(self.prompt, self.prompt_token_ids))
+            if self.error is not None and len(self.error) > ERROR_TEXT_CHARS:
+                d["error"] = self.error[:ERROR_TEXT_CHARS] + "..."
         return d
+
+
+def error_echo(prompt: str | None, prompt_token_ids: list[int] | None) -> dict:
+    """The prompt fields of an error row: capped, with the full lengths added where a cap cut them."""
+    echo: dict[str, Any] = {"prompt": prompt, "prompt_token_ids": prompt_token_ids}
+    if prompt is not None and len(prompt) > ERROR_ECHO_CHARS:
+        echo.update(prompt=prompt[:ERROR_ECHO_CHARS], prompt_chars=len(prompt))
+    if prompt_token_ids is not None and len(prompt_token_ids) > ERROR_ECHO_TOKENS:
+        echo.update(prompt_token_ids=list(prompt_token_ids[:ERROR_ECHO_TOKENS]),
+                    prompt_num_tokens=len(prompt_token_ids))
+    return echo
+
+
+# line breaks to str.splitlines (not to JSON): escaped, so a row stays one line to any reader
+_SPLITLINES_BREAKS = {0x85: "\\u0085", 0x2028: "\\u2028", 0x2029: "\\u2029"}
+
+
+def _dumps(row: dict) -> str:
+    """One JSON line; text that can't be UTF-8 (a lone surrogate) is written escaped instead of failing."""
+    line = json.dumps(row, ensure_ascii=False)
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError:
+        line = json.dumps(row)
+    return line.translate(_SPLITLINES_BREAKS) + "\n"
 
 
 class OutputsWriter:
     """Appends finished requests to outputs.jsonl as they finish; `finalize` sorts the file."""
 
-    def __init__(self, path: Path, keep: list[dict] | None = None) -> None:
+    def __init__(self, path: Path, keep: list[dict] | None = None,
+                 sampling_of: Callable[[int], dict | None] | None = None) -> None:
+        """`sampling_of(index)`: the request's sampling parameters, written as the row's `sampling`
+        (what a resumed job checks its kept rows against)."""
         self.path = Path(path)
+        self.sampling_of = sampling_of
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if keep:
             _rewrite(self.path, keep)
@@ -47,7 +86,10 @@ class OutputsWriter:
         self._lock = threading.Lock()
 
     def write(self, out: RequestOutput) -> None:
-        line = json.dumps(out.to_json(), ensure_ascii=False) + "\n"
+        row = out.to_json()
+        if self.sampling_of is not None:
+            row["sampling"] = self.sampling_of(out.index)
+        line = _dumps(row)
         with self._lock:
             self._file.write(line)
             self._file.flush()
@@ -74,7 +116,7 @@ def _rewrite(path: Path, rows: list[dict]) -> None:
     tmp = path.with_suffix(".jsonl.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         for r in rows:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+            f.write(_dumps(r))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -94,3 +136,58 @@ def read_outputs(path: Path) -> list[dict]:
             if isinstance(row, dict) and isinstance(row.get("index"), int) and not isinstance(row["index"], bool):
                 rows.append(row)
     return rows
+
+
+def _same_echo(kept: Any, full_len: Any, now: Any) -> bool:
+    """Whether a row's (possibly capped) echo `kept` of full length `full_len` is the value `now`."""
+    if kept is None or now is None:
+        return kept is None and now is None
+    return len(now) == full_len and now[:len(kept)] == kept
+
+
+def _short_repr(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _row_differs(row: dict, prompt: str | None, prompt_token_ids: list[int] | None,
+                 sampling: dict | None) -> str | None:
+    kept_prompt = row.get("prompt")
+    if not _same_echo(kept_prompt, row.get("prompt_chars", len(kept_prompt or "")), prompt):
+        return f"prompt differs: kept {_short_repr(kept_prompt)}, now {_short_repr(prompt)}"
+    kept_ids = row.get("prompt_token_ids")
+    ids_known = prompt is None or (kept_ids is not None and prompt_token_ids is not None)
+    if ids_known and not _same_echo(kept_ids, row.get("prompt_num_tokens", len(kept_ids or [])),
+                                    prompt_token_ids):
+        return f"prompt_token_ids differ: kept {_short_repr(kept_ids)}, now {_short_repr(prompt_token_ids)}"
+    kept_sampling = row.get("sampling")
+    if isinstance(kept_sampling, dict) and sampling is not None:
+        for key in sorted(set(kept_sampling) | set(sampling)):
+            kept, now = kept_sampling.get(key), sampling.get(key)
+            if kept != now and not (kept != kept and now != now):  # NaN (an error row's) is NaN again
+                return f"sampling.{key} differs: kept {kept!r}, now {now!r}"
+    return None
+
+
+def resume_mismatch(rows: list[dict], requests: list, sampling_of: Callable[[int], dict | None]) -> str | None:
+    """Why the kept `rows` are not outputs of this job's `requests` (one line naming the first row that
+    differs in prompt, token ids or sampling), or None when every kept row matches its request.
+
+    Why: a resumed job skips the indices it finds; rows of another prompts file or other sampling
+    would silently stand in for requests that never ran.
+    """
+    by_index = {r.index: r for r in requests}
+    first_rows: dict[int, dict] = {}
+    for row in rows:
+        first_rows.setdefault(row["index"], row)  # finalize keeps the first line of an index
+    for index in sorted(first_rows):
+        request = by_index.get(index)
+        if request is None:
+            return f"outputs.jsonl row {index} has no request in this job ({len(requests)} requests)"
+        try:
+            why = _row_differs(first_rows[index], request.prompt, request.prompt_token_ids, sampling_of(index))
+        except (TypeError, ValueError):  # a row edited by hand: fields of other types
+            why = "its prompt fields are not ones this engine writes"
+        if why:
+            return f"outputs.jsonl row {index} is not this job's request {index}: {why}"
+    return None

@@ -5,6 +5,7 @@ Why: one bad request must never sink a batch job, so every per-request problem b
 """
 from __future__ import annotations
 
+import codecs
 import json
 import os
 from collections.abc import Sequence
@@ -59,17 +60,29 @@ def _check_override(key: str, value: Any) -> str | None:
     return None
 
 
+def _lone_surrogate(text: str) -> str | None:
+    """Where `text` can't be UTF-8 (a lone surrogate such as JSON's "\\ud800"), or None: such text can
+    neither be tokenized nor written to outputs.jsonl."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"lone surrogate U+{ord(text[e.start]):04X} at character {e.start}"
+    return None
+
+
 def _problem(obj: Any) -> str | None:
     """Why a parsed request object can't run (one line), or None when it is well formed."""
     if not isinstance(obj, dict):
         return f"expected a JSON object, got {_type_name(obj)}"
     unknown = [k for k in obj if k not in PROMPT_KEYS and k not in OVERRIDE_TYPES]
     if unknown:
-        return f"unknown key {unknown[0]!r} (allowed: {', '.join((*PROMPT_KEYS, *OVERRIDE_TYPES))})"
+        return f"unknown key {_short(repr(unknown[0]))} (allowed: {', '.join((*PROMPT_KEYS, *OVERRIDE_TYPES))})"
     if ("prompt" in obj) == ("prompt_token_ids" in obj):
         return "give exactly one of 'prompt' or 'prompt_token_ids'"
     if "prompt" in obj and not isinstance(obj["prompt"], str):
         return f"'prompt' must be a string, got {_type_name(obj['prompt'])}"
+    if "prompt" in obj and _lone_surrogate(obj["prompt"]) is not None:
+        return f"'prompt' is not valid Unicode: {_lone_surrogate(obj['prompt'])}"
     if "prompt_token_ids" in obj and not _is_token_ids(obj["prompt_token_ids"]):
         return "'prompt_token_ids' must be a list of integers"
     if obj.get("prompt") == "" or obj.get("prompt_token_ids") == []:
@@ -90,18 +103,47 @@ def _request_from_object(obj: Any, index: int, where: str) -> PromptRequest:
     return PromptRequest(index, obj.get("prompt"), obj.get("prompt_token_ids"), overrides)
 
 
+def _short(text: str, limit: int = 60) -> str:
+    """`text` cut to `limit` characters for an error line (a hostile line must not make a huge one)."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def _parse_line(text: str, index: int, where: str) -> PromptRequest:
+    """One prompts_file line as a request; never raises, whatever the line holds (depth, size, values)."""
+    try:
+        return _request_from_object(json.loads(text), index, where)
+    except json.JSONDecodeError as e:
+        problem = f"invalid JSON ({e.msg} at column {e.colno})"
+    except RecursionError:
+        problem = "invalid JSON (nested too deeply to read)"
+    except ValueError as e:  # e.g. an integer of more than 4300 digits
+        problem = f"invalid JSON value ({_short(str(e).splitlines()[0] if str(e) else type(e).__name__, 120)})"
+    except Exception as e:  # whatever else a line can hold: this request fails, the job goes on
+        problem = f"could not be read ({type(e).__name__})"
+    return PromptRequest(index, None, None, {}, f"{where}: {problem}")
+
+
 def _read_jsonl(path: Path) -> list[PromptRequest]:
+    """One request per non-blank line, each line decoded and parsed on its own: no line can fail another.
+
+    Lines end at LF, CRLF or CR (never at U+2028 or U+0085, which JSON strings may hold); a UTF-8
+    byte order mark at the start of the file is skipped; blank lines are skipped (not requests).
+    """
+    data = path.read_bytes()
+    if data.startswith(codecs.BOM_UTF8):
+        data = data[len(codecs.BOM_UTF8):]
     requests: list[PromptRequest] = []
-    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        index = len(requests)
+    for line_no, raw in enumerate(data.splitlines(), start=1):
         where = f"prompts_file line {line_no}"
         try:
-            request = _request_from_object(json.loads(line), index, where)
-        except json.JSONDecodeError as e:
-            request = PromptRequest(index, None, None, {}, f"{where}: invalid JSON ({e.msg} at column {e.colno})")
-        requests.append(request)
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            requests.append(PromptRequest(len(requests), None, None, {},
+                                          f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1}); "
+                                          "save the file as UTF-8"))
+            continue
+        if text.strip():
+            requests.append(_parse_line(text, len(requests), where))
     return requests
 
 
@@ -162,7 +204,12 @@ def tokenize(requests: list[PromptRequest], tokenizer, chat_template: bool) -> l
         if tokenizer is None:
             request.error = NO_TOKENIZER_ERROR
         else:
-            request.prompt_token_ids = _encode(request.prompt, tokenizer, chat_template)
+            try:
+                request.prompt_token_ids = _encode(request.prompt, tokenizer, chat_template)
+            except Exception as exc:  # a tokenizer bug on one odd text fails that request, not the job
+                detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                request.error = f"prompt could not be tokenized ({type(exc).__name__}{': ' if detail else ''}" \
+                                f"{_short(detail, 120)})"
     return requests
 
 
@@ -172,7 +219,7 @@ def validate_prompt(token_ids: list[int], vocab_size: int, max_model_len: int) -
         return "prompt is empty"
     for position, token in enumerate(token_ids):
         if not 0 <= token < vocab_size:
-            return f"prompt_token_ids[{position}]={token} is outside the vocabulary [0, {vocab_size})"
+            return f"prompt_token_ids[{position}]={_short(str(token), 24)} is outside the vocabulary [0, {vocab_size})"
     if len(token_ids) >= max_model_len:
         return f"prompt has {len(token_ids)} tokens; max_model_len={max_model_len} allows at most {max_model_len - 1}"
     return None

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import time
 
+REFUSED = "refused:"  # the key's value when rank 0 refused the job's requests (a user error) instead
+
+
 
 class StartGate:
     def __init__(self, store, key: str, poll_s: float = 0.05) -> None:
@@ -19,7 +22,14 @@ class StartGate:
         """Rank 0: the requests are ready, the first plan follows."""
         self.store.set(self.key, "1")
 
-    def wait(self) -> None:
-        """Other ranks: return once rank 0 opened the gate (raises if the store goes away)."""
+    def refuse(self, message: str) -> None:
+        """Rank 0: no plan follows; the waiting ranks leave with this one-line user error (exit 2)."""
+        self.store.set(self.key, REFUSED + message)
+
+    def wait(self) -> str | None:
+        """Other ranks: return once rank 0 opened the gate: None, or rank 0's refusal message (raises if
+        the store goes away)."""
         while not self.store.check([self.key]):
             time.sleep(self.poll_s)
+        value = self.store.get(self.key).decode("utf-8", errors="replace")
+        return value[len(REFUSED):] if value.startswith(REFUSED) else None

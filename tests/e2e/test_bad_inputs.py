@@ -5,6 +5,8 @@ stderr and exit code 2, not a traceback after the weights have loaded.
 """
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 from tests.e2e.engine_args import tiny_args, write_prompts_file
@@ -51,6 +53,8 @@ def test_bad_engine_config_exits_2_with_one_line_before_loading(tiny_qwen3: Path
         "gpu_memory_utilization=1.5": ["gpu_memory_utilization", "(0, 1]", "1.5"],
         "num_kv_blocks=3": ["num_kv_blocks", "max_model_len=128", "3 blocks"],
         f"model.path={tmp_path / 'no-such-checkpoint'}": ["model.path", "no-such-checkpoint"],
+        f"model.path={_escaping_checkpoint(tiny_qwen3, tmp_path)}": [
+            "model.safetensors.index.json", "'../outside.safetensors'", "not a file inside the checkpoint dir"],
     }
     runs = run_engines([tiny_args(tiny_qwen3, tmp_path / f"job{i}", prompts) + [case]
                         for i, case in enumerate(cases)], tmp_path, timeout_s=120)
@@ -61,3 +65,59 @@ def test_bad_engine_config_exits_2_with_one_line_before_loading(tiny_qwen3: Path
         assert all(w in lines[0] for w in words), (case, lines[0])
         assert "Traceback" not in run.stdout + run.stderr
         assert " loaded (" not in run.stdout  # failed before the weights were read
+
+
+def _escaping_checkpoint(ckpt: Path, tmp_path: Path) -> Path:
+    """A copy of `ckpt` whose shard index names a file outside its dir (`../`): it used to be read."""
+    escaping = tmp_path / "escaping"
+    shutil.copytree(ckpt, escaping)
+    (escaping / "model.safetensors").rename(tmp_path / "outside.safetensors")
+    (escaping / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "../outside.safetensors"}}))
+    return escaping
+
+
+HUGE_PROMPT = "z" * 300_000
+HOSTILE = [  # (raw line, words its one-line error must contain): no line may end the job or grow its row
+    (b'{"prompt":"caf\xe9"}', ["not UTF-8"]),  # latin-1 bytes
+    (b"[" * 100_000 + b"]" * 100_000, ["nested too deeply"]),
+    (b'{"prompt":"a \\ud800"}', ["not valid Unicode", "U+D800"]),  # a lone surrogate
+    (b'{"prompt_token_ids":[' + b"7" * 5000 + b"]}", ["4300 digits"]),
+    (b'{"prompt":"hi","temperature":NaN}', ["temperature", ">= 0"]),
+    (b'{"prompt":"hi","top_p":Infinity}', ["top_p", "(0, 1]"]),
+    (b'{"prompt":"hi","max_tokens":1e999}', ["max_tokens", "integer"]),
+    (b'{"prompt_token_ids":[5, 99999999999999999999999]}', ["outside the vocabulary"]),
+    (b'{"prompt":["not", "a", "string"]}', ["must be a string"]),
+    (b'[{"prompt":"in an array"}]', ["expected a JSON object"]),
+    (b'{"prompt":"a\x00b"}', ["invalid JSON"]),  # a raw NUL byte
+    (json.dumps({"prompt": HUGE_PROMPT}).encode(), ["max_model_len=32"]),
+]
+GOOD_LINES = [b'{"prompt": "hi"}\r', b'{"prompt": "a\xc2\x85b\xe2\x80\xa8"}',
+              b'{"prompt_token_ids": [40, 41, 42, 43], "max_tokens": 3}']
+
+
+def test_a_file_of_hostile_lines_fails_only_those_requests(tiny_qwen3: Path, tmp_path: Path):
+    lines = [GOOD_LINES[0], b"", *[line for line, _ in HOSTILE[:6]], GOOD_LINES[1], b"  ",
+             *[line for line, _ in HOSTILE[6:]], GOOD_LINES[2]]
+    prompts = tmp_path / "hostile.jsonl"
+    prompts.write_bytes(b"\n".join(lines) + b"\n")
+    job_dir = tmp_path / "job"
+    run_engine(tiny_args(tiny_qwen3, job_dir, prompts, max_model_len=MAX_MODEL_LEN, **{"sampling.max_tokens": 4}),
+               tmp_path, timeout_s=120).check()
+
+    out = read_outputs(job_dir)
+    assert len(out) == len(HOSTILE) + len(GOOD_LINES)
+    good = [row for row in out if row["error"] is None]
+    assert [row["index"] for row in good] == [0, 7, len(out) - 1]
+    assert [(row["finish_reason"], len(row["token_ids"])) for row in good] == [("length", 4), ("length", 4),
+                                                                              ("length", 3)]
+    assert good[1]["prompt"] == "a\x85b\u2028"  # NEL and LINE SEPARATOR: one line (JSON strings may hold them)
+    bad = [row for row in out if row["error"] is not None]
+    for row, (_, words) in zip(bad, HOSTILE):
+        assert row["finish_reason"] == "error" and row["token_ids"] == [], row
+        assert "\n" not in row["error"] and all(w in row["error"] for w in words), (row["error"], words)
+    huge = bad[-1]  # echoes 200 characters and 64 token ids, with the full lengths
+    assert huge["prompt"] == HUGE_PROMPT[:200] and huge["prompt_chars"] == len(HUGE_PROMPT)
+    assert len(huge["prompt_token_ids"]) == 64 and huge["prompt_num_tokens"] > len(HUGE_PROMPT) // 4
+    assert (job_dir / "outputs.jsonl").stat().st_size < 20_000
+    metrics = read_metrics(job_dir)
+    assert metrics["status"] == "ok" and metrics["num_errors"] == len(HOSTILE)

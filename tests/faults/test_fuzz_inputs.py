@@ -51,8 +51,25 @@ def check_request(req) -> None:
 def test_the_jsonl_reader_turns_every_line_into_a_request(tmp_path, rows):
     path = write(tmp_path, rows)
     requests = read_prompts(None, str(path))
-    expected = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    assert [r.index for r in requests] == list(range(len(expected)))
+    assert [r.index for r in requests] == list(range(len(_non_blank_lines(path.read_bytes()))))
+    for req in requests:
+        check_request(req)
+
+
+def _non_blank_lines(data: bytes) -> list[bytes]:
+    """The reader's lines: LF, CRLF or CR ends one (not U+2028 & co.), a leading BOM is no text, a line of
+    whitespace is no request, a line that is not UTF-8 is one (its error)."""
+    data = data.removeprefix(b"\xef\xbb\xbf")
+    return [line for line in data.splitlines() if line.decode("utf-8", errors="replace").strip()]
+
+
+@SETTINGS
+@given(rows=st.lists(st.one_of(st.binary(max_size=40), lines.map(str.encode)), max_size=8))
+def test_any_bytes_become_one_request_per_line(tmp_path, rows):
+    path = tmp_path / "requests.jsonl"
+    path.write_bytes(b"\n".join(rows) + b"\n")
+    requests = read_prompts(None, str(path))
+    assert [r.index for r in requests] == list(range(len(_non_blank_lines(path.read_bytes()))))
     for req in requests:
         check_request(req)
 

@@ -35,3 +35,23 @@ def test_prompts_file(tmp_path):
         path.chmod(0)
         with pytest.raises(ConfigError, match="not readable"):
             check_prompts_file(str(path))
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "sub/../../outside.safetensors", "/etc/passwd", "", 7,
+                                   None, "."])
+def test_the_shard_index_only_names_files_inside_the_checkpoint(tmp_path, shard):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (tmp_path / "outside.safetensors").write_bytes(b"x")  # exists and is readable: it must still be refused
+    (ckpt / "inside.safetensors").write_bytes(b"x")
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "inside.safetensors",
+                                                                                  "b": shard}}))
+    with pytest.raises(ConfigError, match=r"model.safetensors.index.json names shard .* which is not a file inside "
+                                          r"the checkpoint dir") as info:
+        check_checkpoint_files(ckpt)
+    assert "\n" not in str(info.value)
+    (ckpt / "sub").mkdir()
+    (ckpt / "sub" / "nested.safetensors").write_bytes(b"x")
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "inside.safetensors",
+                                                                                  "b": "sub/./nested.safetensors"}}))
+    check_checkpoint_files(ckpt)  # a subdirectory of the checkpoint is inside it

@@ -34,3 +34,66 @@ def test_summary_counts_and_latencies():
     assert s["output_tokens_per_s"] == 3.0
     assert s["itl"]["count"] == 4 and abs(s["itl"]["p50_ms"] - 10.0) < 1e-6
     assert s["ttft"]["count"] == 2
+
+
+def test_an_error_row_echoes_a_capped_prompt_not_the_whole_input(tmp_path):
+    from spmd_engine.outputs import ERROR_ECHO_CHARS, ERROR_ECHO_TOKENS
+
+    text, ids = "x" * 5_000_000, list(range(1_300_000))  # a 5 MB line that tokenized to 1.3 M ids
+    failed = RequestOutput(3, text, ids, None, [], "error", "prompt has 1300000 tokens; max_model_len=4096 "
+                                                             "allows at most 4095")
+    path = tmp_path / "outputs.jsonl"
+    writer = OutputsWriter(path)
+    writer.write(failed)
+    writer.write(RequestOutput(4, "short", [1, 2], None, [], "error", "e" * 50_000))
+    writer.finalize()
+    assert path.stat().st_size < 5_000
+    big, small = read_outputs(path)
+    assert big["prompt"] == text[:ERROR_ECHO_CHARS] and big["prompt_chars"] == len(text)
+    assert big["prompt_token_ids"] == ids[:ERROR_ECHO_TOKENS] and big["prompt_num_tokens"] == len(ids)
+    assert big["error"] == failed.error and len(small["error"]) < 1_100
+    assert small["prompt"] == "short" and small["prompt_token_ids"] == [1, 2] and "prompt_chars" not in small
+    done = out(5, n=2)  # finished rows keep their whole prompt
+    done.prompt = text[:1000]
+    assert done.to_json()["prompt"] == text[:1000]
+
+
+def test_a_row_that_cannot_be_utf8_is_written_escaped(tmp_path):
+    path = tmp_path / "outputs.jsonl"
+    writer = OutputsWriter(path)
+    writer.write(RequestOutput(0, "a \ud800", None, None, [], "error", "bad"))  # would raise UnicodeEncodeError
+    writer.write(out(1))
+    writer.finalize()
+    assert [r["index"] for r in read_outputs(path)] == [0, 1]
+
+
+def test_resume_mismatch_names_the_first_row_that_is_not_its_request():
+    from spmd_engine.outputs import resume_mismatch
+    from spmd_engine.prompts import PromptRequest
+
+    sampling = {"temperature": 0.0, "top_p": 1.0, "max_tokens": 4}
+    long_text = "y" * 1000
+    requests = [PromptRequest(0, "hello", [1, 2], {}), PromptRequest(1, None, [7, 8], {}),
+                PromptRequest(2, long_text, list(range(500)), {}), PromptRequest(3, None, None, {}, "bad line")]
+    same = {i: dict(sampling) for i in range(4)}
+
+    def row(request, error=False):
+        output = RequestOutput(request.index, request.prompt, request.prompt_token_ids, None, [],
+                               "error" if error else "length", "e" if error else None)
+        return {**output.to_json(), "sampling": dict(sampling)}
+
+    rows = [row(requests[0]), row(requests[1]), row(requests[2], error=True), row(requests[3], error=True)]
+    assert resume_mismatch(rows, requests, same.get) is None  # capped error echoes still match their request
+    assert resume_mismatch([{k: v for k, v in r.items() if k != "sampling"} for r in rows], requests,
+                           same.get) is None  # rows written before `sampling` existed: prompts only
+    other = [PromptRequest(0, "hello", [1, 2], {}), PromptRequest(1, None, [7, 9], {}),
+             PromptRequest(2, long_text + "!", None, {}), requests[3]]
+    assert resume_mismatch(rows, other, same.get) == (
+        "outputs.jsonl row 1 is not this job's request 1: prompt_token_ids differ: kept [7, 8], now [7, 9]")
+    why = resume_mismatch(rows[2:], other, same.get)
+    assert why.startswith("outputs.jsonl row 2 is not this job's request 2: prompt differs: kept 'yyy")
+    hotter = {**same, 0: {**sampling, "temperature": 0.7}}
+    assert resume_mismatch(rows, requests, hotter.get) == (
+        "outputs.jsonl row 0 is not this job's request 0: sampling.temperature differs: kept 0.0, now 0.7")
+    assert resume_mismatch(rows, requests[:2], same.get) == (
+        "outputs.jsonl row 2 has no request in this job (2 requests)")

@@ -117,3 +117,63 @@ def test_validate_prompt():
     assert validate_prompt([1] * 5000, 100, 4096) == "prompt has 5000 tokens; max_model_len=4096 allows at most 4095"
     assert validate_prompt([1] * 10, 100, 10) == "prompt has 10 tokens; max_model_len=10 allows at most 9"
     assert validate_prompt([1] * 9, 100, 10) is None and validate_prompt([0, 99], 100, 10) is None
+
+
+# (raw line bytes, words its one-line error must contain) — each of these once ended the whole job,
+# or (NEL/LINE SEPARATOR) was split into two broken lines by a text-mode line split
+HOSTILE_LINES = [
+    (b'{"prompt":"caf\xe9"}', ["not UTF-8", "0xe9", "byte 15"]),  # latin-1, not UTF-8
+    (b"[" * 100_000 + b"]" * 100_000, ["nested too deeply"]),  # RecursionError in json
+    (b'{"prompt":"a \\ud800"}', ["not valid Unicode", "U+D800"]),  # lone surrogate: TypeError in tokenizers
+    (b'{"prompt_token_ids":[' + b"9" * 5000 + b"]}", ["invalid JSON value", "4300 digits"]),  # int() limit
+    (b'{"prompt":"hi","max_tokens":1e999}', ["'max_tokens' must be an integer, got float"]),
+    (b'{"prompt":"a\x00b"}', ["invalid JSON", "control character"]),  # a raw NUL byte
+    (b'{"prompt":"a","max_tokens":4}\xff\xfe', ["not UTF-8", "0xff"]),
+    (b'{"' + b"k" * 100_000 + b'":1}', ["unknown key", "(100002 characters)"]),  # error line stays short
+    (b"\xef\xbb\xbf{}", ["invalid JSON"]),  # a BOM that is not at the start of the file
+    (b"null", ["expected a JSON object, got null"]),
+]
+
+
+def test_every_hostile_line_is_one_error_row_and_the_rest_survive(tmp_path):
+    good = [b'\xef\xbb\xbf{"prompt": "first, after a BOM"}',  # Windows editors start files with one
+            b'{"prompt": "crlf line", "temperature": NaN}\r',  # NaN parses (SamplingParams refuses it later)
+            '{"prompt": "NEL\u0085 and LINE SEPARATOR\u2028 inside"}'.encode(),
+            b'{"prompt_token_ids": [4, 5]}']
+    lines = [good[0], b"", *[line for line, _ in HOSTILE_LINES[:5]], b"  \t", good[1], *[
+        line for line, _ in HOSTILE_LINES[5:]], "\u3000".encode(), good[2], good[3]]
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\r\n")
+    requests = read_prompts(None, str(path))
+    assert [r.index for r in requests] == list(range(len(HOSTILE_LINES) + len(good)))  # blank lines: no request
+    ok = [r for r in requests if r.error is None]
+    assert [r.prompt or r.prompt_token_ids for r in ok] == [
+        "first, after a BOM", "crlf line", "NEL\u0085 and LINE SEPARATOR\u2028 inside", [4, 5]]
+    assert ok[1].overrides["temperature"] != ok[1].overrides["temperature"]  # NaN, kept for the engine to refuse
+    errors = [r for r in requests if r.error is not None]
+    assert len(errors) == len(HOSTILE_LINES)
+    line_numbers = [i + 1 for i, line in enumerate(lines) if any(line == h for h, _ in HOSTILE_LINES)]
+    for request, (_, words), line_no in zip(errors, HOSTILE_LINES, line_numbers):
+        assert request.error.startswith(f"prompts_file line {line_no}: "), request.error
+        assert "\n" not in request.error and len(request.error) < 400, request.error
+        assert all(w in request.error for w in words), (request.error, words)
+        assert request.prompt is None and request.prompt_token_ids is None
+
+
+def test_a_tokenizer_failure_fails_that_request_only():
+    class Picky:
+        """Fails on one text, as tokenizers do on input they can't handle."""
+        chat_template = None
+
+        def encode(self, text):
+            if "boom" in text:
+                raise TypeError("TextEncodeInput must be Union[TextInputSequence, Tuple[InputSequence, ...]]")
+            return [ord(c) for c in text]
+
+    requests = [PromptRequest(0, "ok", None, {}), PromptRequest(1, "boom", None, {}), PromptRequest(2, "hi", None, {})]
+    tokenize(requests, Picky(), chat_template=True)
+    assert [r.prompt_token_ids for r in requests] == [[111, 107], None, [104, 105]]
+    assert requests[1].error.startswith("prompt could not be tokenized (TypeError: TextEncodeInput")
+    # a lone surrogate never reaches the tokenizer (the fast tokenizers raise TypeError on one)
+    [cli] = read_prompts(["a \ud800"], None)
+    assert cli.error == "prompts[0]: 'prompt' is not valid Unicode: lone surrogate U+D800 at character 2"
