@@ -140,7 +140,7 @@ class ModelRunner:
         n = self.settings.max_num_seqs
         logits = torch.randn(n, self.shape.vocab_size, device=self.device)
         for top_k in (50, -1):
-            Sampler(self.device, 0).sample(logits, [SamplingRow(i, 1.0, 0.9, top_k, None) for i in range(n)])
+            Sampler(self.device).sample(logits, [SamplingRow(i, 1.0, 0.9, top_k, i) for i in range(n)])
 
     # --- the step -----------------------------------------------------------------------
     @torch.inference_mode()
