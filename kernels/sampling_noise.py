@@ -104,3 +104,49 @@ def sampling_hash(seeds: torch.Tensor, counters: torch.Tensor, round_: int, voca
 def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, round_: int, vocab: int) -> torch.Tensor:
     """seeds [N] int64 (a uint64 seed's bits), counters [N] int64 -> [N, vocab] float32 Gumbel noise."""
     return _launch(seeds, counters, round_, vocab, MODE_GUMBEL)
+
+
+@triton.jit
+def _gumbel_race_kernel(logits, temps, seeds, counters, out, vocab, stride_row,
+                        BLOCK: tl.constexpr, MUL1: tl.constexpr, MUL2: tl.constexpr,
+                        A0: tl.constexpr, B0: tl.constexpr, CMUL: tl.constexpr):
+    """One program per row: argmax over the vocabulary of logits / T + round-0 Gumbel noise, the
+    noise made in registers (no [N, V] tensor); ties go to the lowest column, as torch.argmax."""
+    row = tl.program_id(0).to(tl.int64)
+    seed = tl.load(seeds + row).to(tl.int64)
+    counter = tl.load(counters + row).to(tl.int64)
+    temp = tl.load(temps + row)
+    a, b = _row_keys(seed, counter, tl.full((), 0, tl.uint32), MUL1, MUL2, A0, B0)
+    best = tl.full((), float("-inf"), tl.float32)
+    best_col = tl.full((), 0, tl.int64)
+    for start in range(0, vocab, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < vocab
+        x = tl.load(logits + row * stride_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        score = tl.div_rn(x, temp) + _gumbel_from_hash(_column_hash(a, b, cols, MUL1, MUL2, CMUL))
+        score = tl.where(mask, score, float("-inf"))
+        block_best = tl.max(score, axis=0)
+        block_col = tl.min(tl.where(score == block_best, cols, vocab), axis=0).to(tl.int64)
+        better = block_best > best  # strictly: an earlier block keeps a tie
+        best_col = tl.where(better, block_col, best_col)
+        best = tl.where(better, block_best, best)
+    tl.store(out + row, best_col)
+
+
+def gumbel_race(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
+                counters: torch.Tensor) -> torch.Tensor:
+    """argmax(logits / T + gumbel_noise(seeds, counters, 0)) per row, fused: the plain temperature
+    draw of the sampler without materialising the noise. logits [N, V] (last dim contiguous),
+    temperatures [N] float32, seeds / counters [N] int64 -> [N] int64."""
+    if logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(f"gumbel_race: logits must be [N, V] with a contiguous last dim, got {tuple(logits.shape)}")
+    rows, vocab = logits.shape
+    if temperatures.shape != (rows,) or seeds.shape != (rows,) or counters.shape != (rows,):
+        raise ValueError(f"gumbel_race: temperatures, seeds and counters must be [{rows}]")
+    out = torch.zeros(rows, device=logits.device, dtype=torch.int64)
+    if rows and vocab:
+        _gumbel_race_kernel[(rows,)](
+            logits, temperatures.float().contiguous(), seeds.long().contiguous(), counters.long().contiguous(), out,
+            vocab, logits.stride(0),
+            BLOCK=BLOCK, MUL1=HASH_MUL1, MUL2=HASH_MUL2, A0=LANE_A, B0=LANE_B, CMUL=COLUMN_MUL, num_warps=4)
+    return out

@@ -102,23 +102,21 @@ class Sampler:
     @staticmethod
     def _sample_group(kind: str, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         dev = logits.device
-        z = _scaled(logits, rows)
         keys = torch.tensor([[seed_bits(r.seed) for r in rows], [r.counter for r in rows]], dtype=torch.int64,
                             device=dev)
         seeds, counters = keys[0], keys[1]
+        temps = torch.tensor([r.temperature for r in rows], dtype=torch.float32, device=dev)
+        if kind == "plain" and dev.type == "cuda":  # fused: the noise never leaves the registers
+            from kernels.sampling_noise import gumbel_race
+            return gumbel_race(logits, temps, seeds, counters)
+        z = logits / temps[:, None]  # a true division: CUDA divides by a scalar as a multiply by the
+        # reciprocal, which would round otherwise than another batch's per-row division
         if kind == "plain":
             return _race(z, seeds, counters, 0)
         if kind == "top_k":
             return _race(_apply_top_k_top_p(z, [r.top_k for r in rows], [r.top_p for r in rows]), seeds, counters, 0)
         top_p = torch.tensor([r.top_p for r in rows], dtype=torch.float32, device=dev)
         return _sample_nucleus(z, top_p, seeds, counters)
-
-
-def _scaled(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """logits / temperature per row. Always a true division by a per-row tensor: CUDA divides by a
-    scalar as a multiply by its reciprocal, which would round differently in another batch."""
-    temps = torch.tensor([r.temperature for r in rows], dtype=torch.float32, device=logits.device)
-    return logits / temps[:, None]
 
 
 def _race(z: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor, round_: int) -> torch.Tensor:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kernels.reference import gumbel_noise_reference, sampling_hash_reference
-from kernels.sampling_noise import BLOCK, gumbel_noise, sampling_hash
+from kernels.sampling_noise import BLOCK, gumbel_noise, gumbel_race, sampling_hash
 from tests.kernels.paged_batch import DEVICE, gpu_case
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::RuntimeWarning")  # interpreter
@@ -65,3 +65,30 @@ def test_gumbel_noise_is_gumbel_distributed():
     assert abs(noise.var().item() - torch.pi**2 / 6) < 0.03
     # P(G > 5) = 1 - exp(-exp(-5)): the tail the rare tokens need is there
     assert abs((noise > 5).double().mean().item() - 0.0067153) < 0.0015
+
+
+@pytest.mark.parametrize("rows,vocab", [(6, 37), (5, 2 * BLOCK + 7), gpu_case(256, 151_936)])
+def test_fused_race_equals_logits_over_t_plus_the_noise(rows, vocab):
+    """The fused plain draw is exactly argmax(logits / T + gumbel_noise) of the unfused path."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = (3 * torch.randn(rows, vocab, generator=gen)).to(DEVICE)
+    temps = (0.3 + 2 * torch.rand(rows, generator=gen)).to(DEVICE)
+    seeds = torch.randint(-(2**63), 2**63 - 1, (rows,), generator=gen).to(DEVICE)
+    counters = torch.randint(0, 5000, (rows,), generator=gen).to(DEVICE)
+    noise = gumbel_noise(seeds, counters, 0, vocab)  # the kernel path the GPU sampler's other rows use
+    expected = (logits / temps[:, None] + noise).argmax(dim=-1)
+    assert torch.equal(gumbel_race(logits, temps, seeds, counters), expected)
+    if DEVICE.type == "cpu":  # and the torch reference, which the CPU sampler uses
+        ref = (logits / temps[:, None] + gumbel_noise_reference(seeds, counters, 0, vocab)).argmax(dim=-1)
+        assert torch.equal(gumbel_race(logits, temps, seeds, counters), ref)
+
+
+def test_fused_race_spans_blocks_and_skips_minus_inf():
+    logits = torch.full((2, BLOCK + 10), float("-inf"), device=DEVICE)
+    logits[0, [3, BLOCK + 4]] = 0.0  # two finite tokens in two blocks
+    logits[1, 5] = 1.0
+    temps = torch.ones(2, device=DEVICE)
+    keys = torch.arange(2, device=DEVICE)
+    got = gumbel_race(logits, temps, keys, keys).tolist()
+    assert got[0] in (3, BLOCK + 4) and got[1] == 5
+    assert got == (logits + gumbel_noise(keys, keys, 0, logits.shape[1])).argmax(dim=-1).tolist()
