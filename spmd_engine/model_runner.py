@@ -140,7 +140,7 @@ class ModelRunner:
         n = self.settings.max_num_seqs
         logits = torch.randn(n, self.shape.vocab_size, device=self.device)
         for top_k, top_p in ((50, 0.9), (-1, 0.9), (-1, 1.0)):  # the last compiles the fused plain race
-            Sampler(self.device).sample(logits, [SamplingRow(i, 1.0, top_p, top_k, i) for i in range(n)])
+            Sampler(self.device).sample(logits, [SamplingRow(i, 1.0, top_p, top_k, i, 0) for i in range(n)])
 
     # --- the step -----------------------------------------------------------------------
     @torch.inference_mode()

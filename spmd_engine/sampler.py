@@ -35,7 +35,7 @@ class SamplingRow:
     top_p: float
     top_k: int  # -1 or 0 = off
     seed: int  # the request's noise seed (any int; its low 64 bits count)
-    counter: int = 0  # index of the token being drawn within the request's output
+    counter: int  # index of the token being drawn within the request's output (0 = the first)
 
     @property
     def is_greedy(self) -> bool:
