@@ -2,7 +2,7 @@
 
 A row's noise over the vocabulary is a pure 32-bit hash of (seed, counter, round, column), so a
 request's draws depend on nothing but its own seed and token index, whatever else is batched with
-it. Bit-identical to `reference.sampling_hash_reference` (uint32 arithmetic here, masked int64
+it. Bit-identical to `reference.sampling_hash_reference` (uint32 arithmetic in both, numpy's
 there); the float conversion is the same formula (`reference.gumbel_from_hash_reference`), equal
 up to the device's log rounding.
 """
@@ -72,7 +72,8 @@ def _sampling_noise_kernel(seeds, counters, out, rnd, vocab,
     mask = cols < vocab
     seed = tl.load(seeds + row).to(tl.int64)
     counter = tl.load(counters + row).to(tl.int64)
-    a, b = _row_keys(seed, counter, rnd.to(tl.uint32), MUL1, MUL2, A0, B0)
+    rnd = (tl.zeros((), tl.int32) + rnd).to(tl.uint32)  # a tensor even where Triton made round 1 a constant
+    a, b = _row_keys(seed, counter, rnd, MUL1, MUL2, A0, B0)
     h = _column_hash(a, b, cols, MUL1, MUL2, CMUL)
     if MODE == 0:
         tl.store(out + row * vocab + cols, h.to(tl.int64), mask=mask)

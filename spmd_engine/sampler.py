@@ -59,7 +59,7 @@ def request_seed(engine_seed: int, generation: int, index: int) -> int:
 
 def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, round_: int, vocab: int) -> torch.Tensor:
     """[N, vocab] float32 Gumbel noise of the rows' (seed, counter, round) streams: Triton on CUDA,
-    the bit-identical torch reference elsewhere."""
+    the reference (the same hash bit for bit) elsewhere."""
     if seeds.device.type == "cuda":
         from kernels.sampling_noise import gumbel_noise as triton_gumbel_noise
         return triton_gumbel_noise(seeds, counters, round_, vocab)

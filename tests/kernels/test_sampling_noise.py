@@ -1,4 +1,4 @@
-"""The Triton sampling-noise kernel against the torch reference: the same 32-bit hash bit for bit
+"""The Triton sampling-noise kernels against the numpy reference: the same 32-bit hash bit for bit
 (the sampler's draws must not depend on which implementation ran), Gumbel noise equal up to log
 rounding; and the hash's streams for other seeds, counters and rounds are unrelated."""
 import pytest
