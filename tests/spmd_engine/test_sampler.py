@@ -189,3 +189,25 @@ def test_noise_rounds_are_independent_streams():
     corr = torch.corrcoef(rounds)
     assert (corr - torch.eye(len(rounds))).abs().max() < 0.1
     assert 0.5 < rounds.mean() < 0.65  # Gumbel mean: Euler's 0.577
+
+
+def test_the_nucleus_fallback_keeps_the_distribution_and_the_batch_independence(monkeypatch):
+    """A slowly decaying distribution with a small nucleus: each rejection cuts little, so some rows
+    exhaust the rejection rounds and take the sort (with their own noise round); their draws still
+    follow the renormalised nucleus, and each row draws the same alone."""
+    import spmd_engine.sampler as sampler_module
+    vocab, n = 400, 4000
+    logits = (-0.01 * torch.arange(vocab, dtype=torch.float32)).expand(n, vocab).contiguous()
+    sorted_rows = []
+    apply = sampler_module._apply_top_k_top_p
+    monkeypatch.setattr(sampler_module, "_apply_top_k_top_p",
+                        lambda z, ks, ps: (sorted_rows.append(z.shape[0]), apply(z, ks, ps))[1])
+    rows = [row(i, p=0.1, seed=i) for i in range(n)]
+    out = sample(logits, rows)
+    assert sum(sorted_rows) > 20  # the fallback ran (about 2.5 % of the rows)
+    p = torch.softmax(logits[0].double(), dim=0).numpy()
+    nucleus = np.cumsum(p) - p < 0.1  # 11 tokens
+    expected = np.where(nucleus, p, 0.0) / p[nucleus].sum()
+    assert chi_square(np.bincount(out, minlength=vocab), expected) < 50  # 10 degrees of freedom
+    alone = [sample(logits[i : i + 1], [rows[i]])[0] for i in range(400)]
+    assert alone == out[:400].tolist()
