@@ -1,10 +1,11 @@
-"""Plain-torch oracles for the KV-cache write and paged attention.
+"""Plain-torch oracles for the KV-cache write and paged attention, and the sampling-noise hash.
 
 They are the CPU path of the engine and the ground truth the Triton kernels are tested against.
 KV cache layout (every backend): [num_blocks, block_size, num_kv_heads, head_dim].
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -70,3 +71,85 @@ def paged_attention_reference(
         probs = torch.softmax(scores, dim=-1)
         out[start:end] = torch.matmul(probs, v).transpose(0, 1).to(query.dtype)
     return out
+
+
+# --- counter-based sampling noise ------------------------------------------------------------
+# A row's noise is a pure function of (seed, counter, round, column): no generator state, so a
+# request's draws cannot depend on which other rows share its batch or how steps were scheduled.
+# kernels/sampling_noise.py computes the same 32-bit hash in Triton; here it is numpy uint32
+# arithmetic (wrapping mod 2**32 by definition, and ~20x faster on CPU than masked int64 torch ops),
+# and both must agree bit for bit.
+
+HASH_MUL1, HASH_MUL2 = 0x85EBCA6B, 0xC2B2AE35  # murmur3's 32-bit finalizer
+LANE_A, LANE_B = 0x6A09E667, 0xBB67AE85  # start values of the two row-key lanes
+COLUMN_MUL = 0x9E3779B1
+
+
+def _fmix32(h: np.ndarray) -> np.ndarray:
+    """murmur3's finalizer on a uint32 array, in place (a bijection with full avalanche)."""
+    h ^= h >> np.uint32(16)
+    h *= np.uint32(HASH_MUL1)
+    h ^= h >> np.uint32(13)
+    h *= np.uint32(HASH_MUL2)
+    h ^= h >> np.uint32(16)
+    return h
+
+
+def sampling_row_keys_reference(seeds: torch.Tensor, counters: torch.Tensor, round_: int
+                                ) -> tuple[np.ndarray, np.ndarray]:
+    """Two 32-bit lanes per row (uint32 [N]) from the full 64-bit seed, the counter and the round:
+    the lanes absorb the parts in opposite orders, so rows collide only if both lanes do."""
+    seeds = seeds.detach().cpu().long().numpy().view(np.uint64)
+    counters = counters.detach().cpu().long().numpy().view(np.uint64)
+    low = np.uint64(0xFFFFFFFF)
+    seed_lo, seed_hi = (seeds & low).astype(np.uint32), (seeds >> np.uint64(32)).astype(np.uint32)
+    ctr_lo, ctr_hi = (counters & low).astype(np.uint32), (counters >> np.uint64(32)).astype(np.uint32)
+    rnd = np.uint32(round_ & 0xFFFFFFFF)
+    a = _fmix32(seed_lo ^ np.uint32(LANE_A))
+    for part in (seed_hi, ctr_lo, ctr_hi):
+        a = _fmix32(a ^ part)
+    a = _fmix32(a ^ rnd)
+    b = _fmix32(np.full(seeds.shape, (int(rnd) + LANE_B) & 0xFFFFFFFF, dtype=np.uint32))
+    for part in (ctr_hi, ctr_lo, seed_hi, seed_lo):
+        b = _fmix32(b + part)
+    return a, b
+
+
+def _sampling_hash_np(seeds: torch.Tensor, counters: torch.Tensor, round_: int, vocab: int) -> np.ndarray:
+    a, b = sampling_row_keys_reference(seeds, counters, round_)
+    cols = np.arange(vocab, dtype=np.uint32) * np.uint32(COLUMN_MUL)
+    h = cols[None, :] + b[:, None]
+    _fmix32(h)
+    h ^= a[:, None]
+    return _fmix32(h)
+
+
+def sampling_hash_reference(seeds: torch.Tensor, counters: torch.Tensor, round_: int, vocab: int) -> torch.Tensor:
+    """seeds [N] int64 (a uint64 seed's bits), counters [N] int64 -> [N, vocab] int64 in [0, 2**32)
+    on the seeds' device. For a fixed row the map column -> hash is a bijection (every step is)."""
+    bits = _sampling_hash_np(seeds, counters, round_, vocab).astype(np.int64)
+    return torch.from_numpy(bits).to(seeds.device)
+
+
+def _gumbel_from_hash_np(bits: np.ndarray) -> np.ndarray:
+    """32 random bits (uint32) -> Gumbel noise G = -log(E), E ~ Exp(1), float32.
+
+    v = (bits + 1/2) / 2**32 in (0, 1) keeps full resolution near 0, where E = -log(1 - v) ~ v is
+    small and decides the race; a short series replaces log(1 - v) there (1 - v would round)."""
+    f32 = np.float32
+    v = bits.astype(f32) * f32(2.0**-32) + f32(2.0**-33)
+    np.minimum(v, f32(1.0 - 2.0**-24), out=v)  # bits near 2**32 round up to 1.0 in float32
+    series = v * (f32(1.0) + v * (f32(0.5) + v * (f32(1.0 / 3.0) + v * f32(0.25))))
+    e = np.where(v < f32(2.0**-6), series, -np.log(f32(1.0) - v))
+    return -np.log(e)
+
+
+def gumbel_from_hash_reference(bits: torch.Tensor) -> torch.Tensor:
+    """The Gumbel noise of hash values (int64 in [0, 2**32)), float32 on their device."""
+    return torch.from_numpy(_gumbel_from_hash_np(bits.detach().cpu().numpy().astype(np.uint32))).to(bits.device)
+
+
+def gumbel_noise_reference(seeds: torch.Tensor, counters: torch.Tensor, round_: int, vocab: int) -> torch.Tensor:
+    """[N, vocab] float32 Gumbel noise on the seeds' device: argmax(logits / T + noise) draws from
+    softmax(logits / T). numpy on the host (its float32 log is vectorised; the CPU sampler's path)."""
+    return torch.from_numpy(_gumbel_from_hash_np(_sampling_hash_np(seeds, counters, round_, vocab))).to(seeds.device)

@@ -37,7 +37,7 @@ from spmd_engine.plan import COMMAND_STOP, PlanBuilder
 from spmd_engine.preflight import check_checkpoint_files
 from spmd_engine.progress import StepProgress
 from spmd_engine.prompts import PromptRequest, validate_prompt
-from spmd_engine.sampler import Sampler, SamplingRow
+from spmd_engine.sampler import Sampler, SamplingRow, request_seed
 from spmd_engine.scheduler import ScheduleOutput, Scheduler, SchedulerConfig
 from spmd_engine.sequence import SamplingParams, Sequence
 from spmd_engine.step_timing import StepTimer
@@ -252,7 +252,8 @@ class _Generation:
             set(llm.shape.eos_token_ids), kept)
         llm.block_manager = self.scheduler.block_manager
         self.builder = PlanBuilder()
-        self.sampler = Sampler(llm.device, cfg.seed + llm.step)
+        self.sampler = Sampler(llm.device)
+        self.generation = llm.step  # tells this generate call's unseeded request seeds from another's
         self.defaults = SamplingParams(**vars(cfg.sampling))
         self.outputs: list[RequestOutput] = []
         self.live: dict[int, tuple[Sequence, RequestOutput]] = {}
@@ -271,7 +272,8 @@ class _Generation:
             out.text = None
             self.on_finish(out)
             return
-        seq = Sequence(seq_id, req.prompt_token_ids, params)
+        seed = params.seed if params.seed is not None else request_seed(self.llm.cfg.seed, self.generation, req.index)
+        seq = Sequence(seq_id, req.prompt_token_ids, params, sampling_seed=seed)
         self.scheduler.add(seq)
         self.live[seq_id] = (seq, out)
 
@@ -348,13 +350,15 @@ class _Generation:
     def _sample(self, launched: _Launched, timeline: GpuTimeline) -> _Sampled:
         """Queue sampling of a launched step's logits and the copy of its tokens to the host."""
         schedule = launched.schedule
-        seqs = [s for s, flag in zip(schedule.seqs, schedule.sample) if flag]
+        picked = [(s, before + num_new) for s, before, num_new, flag in
+                  zip(schedule.seqs, schedule.num_computed_before, schedule.num_new_tokens, schedule.sample) if flag]
+        seqs = [s for s, _ in picked]
         if not seqs:
             return _Sampled(schedule, [], None, None)
-        # a sequence that finished meanwhile was sampled speculatively: its token is dropped, so it
-        # must not draw from (or create) its own seeded generator
-        rows = [SamplingRow(s.seq_id, s.params.temperature, s.params.top_p, s.params.top_k,
-                            None if s.is_finished else s.params.seed) for s in seqs]
+        # the counter is the index of the drawn token within the output (its position minus the
+        # prompt), fixed at scheduling: planning ahead, chunking or preemption cannot shift a draw
+        rows = [SamplingRow(s.seq_id, s.params.temperature, s.params.top_p, s.params.top_k, s.sampling_seed,
+                            position - s.num_prompt_tokens) for s, position in picked]
         timeline.mark(launched.index, "sample_start")
         tokens = self.sampler.sample_on_device(launched.logits, rows)
         timeline.mark(launched.index, "sample_end")
@@ -377,7 +381,6 @@ class _Generation:
 
     def _finish(self, seq: Sequence) -> None:
         _, out = self.live.pop(seq.seq_id)
-        self.sampler.forget(seq.seq_id)
         out.token_ids = list(seq.output_token_ids)
         out.finish_reason = seq.finish_reason
         out.finish_time = time.perf_counter() - self.start

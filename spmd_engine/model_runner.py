@@ -135,12 +135,12 @@ class ModelRunner:
 
     def _warmup_sampler(self) -> None:
         """Sample max_num_seqs rows of fake logits through the sampler's two costly paths (top-k with
-        its sort; top-p alone), on rank 0's memory only during sampling."""
+        its sort; top-p alone) and the plain race, on rank 0's memory only during sampling."""
         from spmd_engine.sampler import Sampler, SamplingRow
         n = self.settings.max_num_seqs
         logits = torch.randn(n, self.shape.vocab_size, device=self.device)
-        for top_k in (50, -1):
-            Sampler(self.device, 0).sample(logits, [SamplingRow(i, 1.0, 0.9, top_k, None) for i in range(n)])
+        for top_k, top_p in ((50, 0.9), (-1, 0.9), (-1, 1.0)):  # the last compiles the fused plain race
+            Sampler(self.device).sample(logits, [SamplingRow(i, 1.0, top_p, top_k, i, 0) for i in range(n)])
 
     # --- the step -----------------------------------------------------------------------
     @torch.inference_mode()

@@ -1,7 +1,14 @@
-"""Token sampling on rank 0 only: greedy, temperature, top-k, top-p, per-request seeds.
+"""Token sampling on rank 0 only: greedy, temperature, top-k, top-p; every draw seeded per request.
 
 Sampling on one rank and sending the tokens in the next plan keeps every rank's sequences
 identical without having to keep random generators in step across ranks.
+
+Determinism rule: a row's token is a function of its own logits, its own parameters, its seed and
+its counter (the index of the token within the request's output) only. The noise is a counter-based
+hash (kernels/sampling_noise.py, kernels/reference.py), not generator state, and the path a row
+takes (greedy, top-k sort, top-p rejection, plain race) depends on its own parameters alone, so
+neither its neighbours in the batch nor how steps were batched, preempted or planned ahead can
+change its draws.
 """
 from __future__ import annotations
 
@@ -10,8 +17,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kernels.reference import gumbel_noise_reference
+
 # below this, logits / temperature overflow float32: such rows are greedy (their limit anyway)
 MIN_TEMPERATURE = 1e-5
+NUCLEUS_ROUNDS = 6  # rejection rounds before the sort fallback (most rows finish in the first)
+SORT_ROUND = NUCLEUS_ROUNDS  # the noise round of the nucleus fallback (rounds 0.. are the rejections)
+_UINT64 = (1 << 64) - 1
 
 
 @dataclass
@@ -22,30 +34,43 @@ class SamplingRow:
     temperature: float
     top_p: float
     top_k: int  # -1 or 0 = off
-    seed: int | None
+    seed: int  # the request's noise seed (any int; its low 64 bits count)
+    counter: int  # index of the token being drawn within the request's output (0 = the first)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < MIN_TEMPERATURE
+
+
+def seed_bits(seed: int) -> int:
+    """A seed's low 64 bits as a signed int64 (what the noise kernels take)."""
+    bits = int(seed) & _UINT64
+    return bits - (1 << 64) if bits >= 1 << 63 else bits
+
+
+def request_seed(engine_seed: int, generation: int, index: int) -> int:
+    """The noise seed of a request without `sampling.seed`: drawn from a numpy generator keyed by the
+    engine `seed`, the generate call (the engine's step count when it began) and the request's index,
+    so a whole job is reproducible for a fixed engine seed, a resumed job draws what the first run
+    would have, and two generate calls of one engine differ. Returns a uint64 value."""
+    entropy = [int(engine_seed) & _UINT64, int(generation), int(index) & _UINT64]
+    return int(np.random.default_rng(entropy).integers(0, 1 << 64, dtype=np.uint64))
+
+
+def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, round_: int, vocab: int) -> torch.Tensor:
+    """[N, vocab] float32 Gumbel noise of the rows' (seed, counter, round) streams: Triton on CUDA,
+    the reference (the same hash bit for bit) elsewhere."""
+    if seeds.device.type == "cuda":
+        from kernels.sampling_noise import gumbel_noise as triton_gumbel_noise
+        return triton_gumbel_noise(seeds, counters, round_, vocab)
+    return gumbel_noise_reference(seeds, counters, round_, vocab)
 
 
 class Sampler:
-    """Draws one token per logits row; seeded requests get a generator of their own."""
+    """Draws one token per logits row; stateless (each row carries its seed and counter)."""
 
-    def __init__(self, device: torch.device, seed: int) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(seed)
-        self._request_generators: dict[int, torch.Generator] = {}
-
-    def forget(self, seq_id: int) -> None:
-        self._request_generators.pop(seq_id, None)
-
-    def _generator_for(self, row: SamplingRow) -> torch.Generator:
-        if row.seed is None:
-            return self.generator
-        gen = self._request_generators.get(row.seq_id)
-        if gen is None:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(row.seed)
-            self._request_generators[row.seq_id] = gen
-        return gen
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> np.ndarray:
         """logits [N, V] float32 -> token ids [N] (numpy int64)."""
@@ -53,88 +78,88 @@ class Sampler:
 
     @torch.inference_mode()
     def sample_on_device(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """logits [N, V] -> token ids [N] int64 on the logits' device. Greedy and top-k/temperature
-        rows queue without waiting for the GPU; top-p rows wait (once per rejection round)."""
-        random_rows = [i for i, r in enumerate(rows) if r.temperature >= MIN_TEMPERATURE]
-        if not random_rows:
-            return logits.argmax(dim=-1)
-        every_row = len(random_rows) == len(rows)
-        if every_row:  # the common case: no greedy rows to keep, no row selection
-            sub = logits.float()
-        else:
-            idx = torch.tensor(random_rows, device=logits.device)
-            sub = logits.index_select(0, idx).float()
-        picked = [rows[i] for i in random_rows]
-        temps = {r.temperature for r in picked}
-        if len(temps) == 1:
-            sub = sub / temps.pop()
-        else:
-            sub = sub / torch.tensor([r.temperature for r in picked], device=logits.device)[:, None]
-        top_ks = [r.top_k for r in picked]
-        top_ps = [r.top_p for r in picked]
-        if any(k > 0 for k in top_ks):
-            drawn = self._race(torch.softmax(_apply_top_k_top_p(sub, top_ks, top_ps), dim=-1), picked)
-        elif any(p < 1.0 for p in top_ps):
-            drawn = self._sample_nucleus(sub, picked)
-        else:
-            drawn = self._race(torch.softmax(sub, dim=-1), picked)
-        if every_row:
+        """logits [N, V] -> token ids [N] int64 on the logits' device. Greedy, plain and top-k rows
+        queue without waiting for the GPU; top-p rows wait (once per rejection round).
+
+        Rows are grouped by their own parameters only: top-k rows (sort), top-p rows (rejection),
+        plain temperature rows (race), greedy rows (argmax)."""
+        groups: dict[str, list[int]] = {"top_k": [], "top_p": [], "plain": []}
+        for i, r in enumerate(rows):
+            if not r.is_greedy:
+                groups["top_k" if r.top_k > 0 else "top_p" if r.top_p < 1.0 else "plain"].append(i)
+        out: torch.Tensor | None = None
+        for kind, members in groups.items():
+            if not members:
+                continue
+            if len(members) == len(rows):  # the common case: one kind, no greedy rows, no row selection
+                return self._sample_group(kind, logits.float(), rows)
+            if out is None:
+                out = logits.argmax(dim=-1)
+            idx = torch.tensor(members, device=logits.device)
+            out[idx] = self._sample_group(kind, logits.index_select(0, idx).float(), [rows[i] for i in members])
+        return out if out is not None else logits.argmax(dim=-1)
+
+    @staticmethod
+    def _sample_group(kind: str, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        dev = logits.device
+        keys = torch.tensor([[seed_bits(r.seed) for r in rows], [r.counter for r in rows]], dtype=torch.int64,
+                            device=dev)
+        seeds, counters = keys[0], keys[1]
+        temps = torch.tensor([r.temperature for r in rows], dtype=torch.float32, device=dev)
+        if kind == "plain" and dev.type == "cuda":  # fused: the noise never leaves the registers
+            from kernels.sampling_noise import gumbel_race
+            return gumbel_race(logits, temps, seeds, counters)
+        z = logits / temps[:, None]  # a true division: CUDA divides by a scalar as a multiply by the
+        # reciprocal, which would round otherwise than another batch's per-row division
+        if kind == "plain":
+            return _race(z, seeds, counters, 0)
+        if kind == "top_k":
+            return _race(_apply_top_k_top_p(z, [r.top_k for r in rows], [r.top_p for r in rows]), seeds, counters, 0)
+        top_p = torch.tensor([r.top_p for r in rows], dtype=torch.float32, device=dev)
+        return _sample_nucleus(z, top_p, seeds, counters)
+
+
+def _race(z: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor, round_: int) -> torch.Tensor:
+    """Gumbel-max (the exponential race argmax(p / E) in log space): argmax(z + G) draws from softmax(z);
+    -inf entries never win."""
+    return (z + gumbel_noise(seeds, counters, round_, z.shape[-1])).argmax(dim=-1)
+
+
+def _sample_nucleus(z: torch.Tensor, top_p: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor
+                    ) -> torch.Tensor:
+    """Exact top-p sampling without sorting the vocabulary (a sort of [N, V] costs ms per step).
+
+    Token i is in the nucleus iff the mass of strictly likelier tokens is < top_p, so the nucleus
+    is every token whose logit is above some cut. Draw from p over the tokens still allowed; a
+    draw outside the nucleus shows that it and every token not likelier are outside, so those
+    are excluded and the row draws again. An accepted draw is distributed as p restricted to the
+    nucleus, exactly as with the sort. Round r uses the row's own (seed, counter, r) noise, so
+    whether and when a row is accepted depends on that row alone. Rows still unresolved after a
+    few rounds use the sort (with their own round-NUCLEUS_ROUNDS noise).
+    """
+    probs = torch.softmax(z, dim=-1)
+    drawn = torch.empty(z.shape[0], dtype=torch.int64, device=z.device)
+    todo = torch.arange(z.shape[0], device=z.device)
+    cut: torch.Tensor | None = None  # per row: tokens with logits <= cut are known to be outside
+    for round_ in range(NUCLEUS_ROUNDS):
+        scores = z + gumbel_noise(seeds, counters, round_, z.shape[-1])
+        if cut is not None:
+            scores.masked_fill_(z <= cut[:, None], float("-inf"))
+        candidate = scores.argmax(dim=-1)
+        cand_logit = z.gather(1, candidate[:, None])
+        likelier = torch.where(z > cand_logit, probs, 0.0).sum(dim=-1)
+        accepted = ((likelier < top_p) | (top_p >= 1.0)).cpu()  # top_p 1: no nucleus (rounding aside)
+        done = accepted.nonzero().squeeze(1).to(z.device)
+        drawn[todo[done]] = candidate[done]
+        if bool(accepted.all()):
             return drawn
-        out = logits.argmax(dim=-1)
-        out[idx] = drawn
-        return out
-
-    def _noise(self, like: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Exp(1) noise per row: seeded rows from their own generator, the rest from the engine's."""
-        noise = torch.empty_like(like)
-        seeded = [j for j, r in enumerate(rows) if r.seed is not None]
-        if len(seeded) < len(rows):  # one launch for every unseeded row
-            noise.exponential_(generator=self.generator)
-        for j in seeded:
-            noise[j].exponential_(generator=self._generator_for(rows[j]))
-        return noise
-
-    def _race(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p (p need not sum to 1)."""
-        return (probs / self._noise(probs, rows)).argmax(dim=-1)
-
-    def _sample_nucleus(self, z: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Exact top-p sampling without sorting the vocabulary (a sort of [N, V] costs ms per step).
-
-        Token i is in the nucleus iff the mass of strictly likelier tokens is < top_p, so the nucleus
-        is every token whose logit is above some cut. Draw from p over the tokens still allowed; a
-        draw outside the nucleus shows that it and every token not likelier are outside, so those
-        are excluded and the row draws again. An accepted draw is distributed as p restricted to the
-        nucleus, exactly as with the sort. Rows still unresolved after a few rounds use the sort.
-        """
-        probs = torch.softmax(z, dim=-1)
-        top_p = torch.tensor([r.top_p for r in rows], device=z.device, dtype=torch.float32)
-        drawn = torch.empty(len(rows), dtype=torch.int64, device=z.device)
-        todo = torch.arange(len(rows), device=z.device)
-        cut: torch.Tensor | None = None  # per row: tokens with logits <= cut are known to be outside
-        for _ in range(NUCLEUS_ROUNDS):
-            scores = probs / self._noise(probs, rows)
-            if cut is not None:
-                scores.masked_fill_(z <= cut[:, None], -1.0)
-            candidate = scores.argmax(dim=-1)
-            cand_logit = z.gather(1, candidate[:, None])
-            likelier = torch.where(z > cand_logit, probs, 0.0).sum(dim=-1)
-            accepted = ((likelier < top_p) | (top_p >= 1.0)).cpu()  # top_p 1: no nucleus (rounding aside)
-            done = accepted.nonzero().squeeze(1).to(z.device)
-            drawn[todo[done]] = candidate[done]
-            if bool(accepted.all()):
-                return drawn
-            rest = (~accepted).nonzero().squeeze(1)
-            rest_dev = rest.to(z.device)
-            todo, z, probs, top_p = todo[rest_dev], z[rest_dev], probs[rest_dev], top_p[rest_dev]
-            cut = cand_logit[rest_dev, 0]
-            rows = [rows[j] for j in rest.tolist()]
-        masked = _apply_top_k_top_p(z, [-1] * len(rows), top_p.tolist())
-        drawn[todo] = self._race(torch.softmax(masked, dim=-1), rows)
-        return drawn
-
-
-NUCLEUS_ROUNDS = 6  # rejection rounds before the sort fallback (most rows finish in the first)
+        rest = (~accepted).nonzero().squeeze(1).to(z.device)
+        todo, z, probs, top_p = todo[rest], z[rest], probs[rest], top_p[rest]
+        seeds, counters = seeds[rest], counters[rest]
+        cut = cand_logit[rest, 0]
+    masked = _apply_top_k_top_p(z, [-1] * z.shape[0], top_p.tolist())
+    drawn[todo] = _race(masked, seeds, counters, SORT_ROUND)
+    return drawn
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
@@ -145,7 +170,8 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[flo
     ranks = torch.arange(vocab, device=logits.device)[None, :]
     mask = ranks >= k[:, None]
     sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
-    p = torch.tensor(top_ps, device=logits.device, dtype=torch.float32)
+    # top_p 1 masks nothing (a cumsum rounding past 1 must not cut the tail)
+    p = torch.tensor([pp if pp < 1.0 else float("inf") for pp in top_ps], device=logits.device, dtype=torch.float32)
     probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly better tokens
     sorted_logits = sorted_logits.masked_fill(mass_before >= p[:, None], float("-inf"))

@@ -35,7 +35,7 @@ class SamplingParams:
     top_k: int = -1  # -1 or 0 = off
     max_tokens: int = 16  # generated tokens at most
     ignore_eos: bool = False
-    seed: int | None = None  # per-request generator seed; None = the engine's generator
+    seed: int | None = None  # per-request noise seed; None = one drawn from the engine `seed`
 
     def validate(self) -> "SamplingParams":
         """Raise ValueError (one line naming the field and the limit) for a value users got wrong."""
@@ -108,6 +108,8 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None
     num_preemptions: int = 0
+    # the sampler's noise seed: params.seed, or the one the engine drew for an unseeded request
+    sampling_seed: int = 0
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]

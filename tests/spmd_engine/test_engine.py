@@ -195,7 +195,7 @@ def test_seeded_sampling_is_reproducible_across_engines(tiny):
 
 
 def test_async_and_synchronous_scheduling_sample_the_same_seeded_tokens(tiny):
-    """Each seeded request draws from its own generator once per kept token, so planning ahead (which
+    """A seeded request's draw for its n-th token uses (seed, n) noise, so planning ahead (which
     samples a finished sequence once more and drops it) changes nothing; nor do chunks or preemption."""
     path, _ = tiny
     sampled = {"temperature": 1.0, "top_p": 0.9, "top_k": 50, "seed": 77, "ignore_eos": False}
@@ -206,6 +206,32 @@ def test_async_and_synchronous_scheduling_sample_the_same_seeded_tokens(tiny):
         runs[mode] = tokens(generate(llm, PROMPTS, **sampled))
         assert llm.last_run["async_scheduling"] is mode
     assert runs[True] == runs[False]
+
+
+def test_a_seeded_request_draws_the_same_tokens_in_any_batch(tiny):
+    """Issue 11: a seeded request (temperature 1.5, top_p 0.5) changed from its first token when a
+    top_k=40 request joined its batch. Its tokens now depend on its seed and logits only."""
+    path, _ = tiny
+    issue = {"temperature": 1.5, "top_p": 0.5, "seed": 1234, "max_tokens": 12}
+    alone = tokens(generate(make_llm(path), [PROMPTS[1]], **issue))[0]
+    neighbours = [{"temperature": 1.0, "top_k": 40}, issue, {"temperature": 0.8}, {"top_p": 0.9, "seed": 5},
+                  {"temperature": 1.2, "top_k": 3, "top_p": 0.7}]
+    requests = [PromptRequest(i, None, p, {"max_tokens": 12, **o}) for i, (p, o) in enumerate(zip(PROMPTS, neighbours))]
+    requests.append(PromptRequest(5, None, PROMPTS[0], {"temperature": 0.0, "max_tokens": 12}))
+    outs = make_llm(path, seed=7, block_size=8).generate(requests)
+    assert outs[1].token_ids == alone
+    assert len({tuple(o.token_ids) for o in outs}) == len(outs)  # the neighbours really sampled
+
+
+def test_unseeded_requests_draw_by_engine_seed_and_request_index(tiny):
+    """A request without a seed gets one from the engine `seed` and its index: the same tokens in
+    another engine whatever else runs with it (a resumed job redraws what the first run drew)."""
+    path, _ = tiny
+    sampled = {"temperature": 1.0, "top_p": 0.9, "max_tokens": 12}
+    full = make_llm(path, seed=3).generate([PromptRequest(i, None, p, sampled) for i, p in enumerate(PROMPTS)])
+    some = [PromptRequest(i, None, PROMPTS[i], sampled) for i in (1, 3)]
+    assert tokens(make_llm(path, seed=3, block_size=8).generate(some)) == [full[1].token_ids, full[3].token_ids]
+    assert tokens(make_llm(path, seed=4).generate(some)) != [full[1].token_ids, full[3].token_ids]
 
 
 def test_a_run_that_failed_half_way_leaves_the_next_one_a_clean_pool(tiny):

@@ -1,22 +1,33 @@
+"""The sampler: greedy, temperature, top-k, top-p, and the determinism rule (docs/RELIABILITY.md):
+a row's token depends on its own logits, parameters, seed and counter only, whatever the batch."""
+import itertools
+
 import numpy as np
+import pytest
 import torch
 
-from spmd_engine.sampler import Sampler, SamplingRow, _apply_top_k_top_p
+from spmd_engine.sampler import NUCLEUS_ROUNDS, Sampler, SamplingRow, _apply_top_k_top_p, request_seed, seed_bits
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def row(i, t=1.0, p=1.0, k=-1, seed=None):
-    return SamplingRow(i, t, p, k, seed)
+def row(i, t=1.0, p=1.0, k=-1, seed=None, counter=0):
+    return SamplingRow(i, t, p, k, i if seed is None else seed, counter)
+
+
+def sample(logits, rows):
+    return Sampler(DEVICE).sample(logits.to(DEVICE), rows)
 
 
 def test_greedy_is_argmax():
     logits = torch.randn(5, 50)
-    out = Sampler(torch.device("cpu"), 0).sample(logits, [row(i, t=0.0) for i in range(5)])
+    out = sample(logits, [row(i, t=0.0) for i in range(5)])
     assert np.array_equal(out, logits.argmax(-1).numpy())
 
 
 def test_top_k_one_is_greedy_even_hot():
     logits = torch.randn(4, 30)
-    out = Sampler(torch.device("cpu"), 0).sample(logits, [row(i, t=5.0, k=1) for i in range(4)])
+    out = sample(logits, [row(i, t=5.0, k=1) for i in range(4)])
     assert np.array_equal(out, logits.argmax(-1).numpy())
 
 
@@ -34,56 +45,169 @@ def test_top_k_masks_the_tail():
     assert torch.isfinite(masked[0, [1, 2]]).all() and torch.isinf(masked[0, [0, 3]]).all()
 
 
-def test_sampling_follows_the_distribution():
-    probs = torch.tensor([0.1, 0.2, 0.7])
-    logits = torch.log(probs).expand(4000, 3).contiguous()
-    out = Sampler(torch.device("cpu"), 1).sample(logits, [row(i) for i in range(4000)])
-    freq = np.bincount(out, minlength=3) / 4000
-    assert np.allclose(freq, probs.numpy(), atol=0.03)
+def test_vanishing_temperature_is_greedy_not_nan():
+    logits = torch.randn(6, 40)
+    out = sample(logits, [row(i, t=1e-300) for i in range(6)])
+    assert np.array_equal(out, logits.argmax(-1).numpy())
 
 
-def test_temperature_sharpens():
-    logits = torch.log(torch.tensor([0.4, 0.6])).expand(3000, 2).contiguous()
-    out = Sampler(torch.device("cpu"), 2).sample(logits, [row(i, t=0.2) for i in range(3000)])
-    assert (out == 1).mean() > 0.8
+# --- distributions: deterministic seeds, bounds far from the statistic's spread ------------------
+
+def chi_square(counts: np.ndarray, expected_probs: np.ndarray) -> float:
+    """Pearson's statistic over the tokens with mass; any draw of a token without mass fails outright."""
+    n = counts.sum()
+    outside = expected_probs == 0
+    assert counts[outside].sum() == 0, f"drew tokens outside the support: {np.nonzero(counts * outside)[0]}"
+    e = expected_probs[~outside] * n
+    return float(((counts[~outside] - e) ** 2 / e).sum())
 
 
-def test_per_request_seed_is_reproducible_and_independent_of_batch():
-    logits = torch.randn(1, 100)
-    a = [Sampler(torch.device("cpu"), s).sample(logits, [row(7, seed=123)])[0] for s in (0, 1)]
-    assert a[0] == a[1]  # the engine seed does not matter for a seeded request
-    batch = torch.cat([torch.randn(3, 100), logits])
-    b = Sampler(torch.device("cpu"), 5).sample(batch, [row(1), row(2), row(3), row(7, seed=123)])
-    assert b[3] == a[0]
+PROBS = np.array([0.05, 0.4, 0.2, 0.3, 0.04, 0.01])
+N_DRAWS = 6000
 
 
-def test_nucleus_sampling_matches_the_renormalised_nucleus():
-    probs = torch.tensor([0.05, 0.4, 0.2, 0.3, 0.04, 0.01])  # top_p 0.8: nucleus {1, 3, 2} (0.7 before 2)
-    logits = torch.log(probs).expand(6000, 6).contiguous()
-    out = Sampler(torch.device("cpu"), 3).sample(logits, [row(i, p=0.8) for i in range(6000)])
-    freq = np.bincount(out, minlength=6) / 6000
-    expected = torch.tensor([0.0, 0.4, 0.2, 0.3, 0.0, 0.0]) / 0.9
-    assert np.allclose(freq, expected.numpy(), atol=0.03)
-    assert freq[[0, 4, 5]].sum() == 0
+def _expected(t: float = 1.0, k: int = -1, p: float = 1.0) -> np.ndarray:
+    q = PROBS ** (1.0 / t)
+    q = q / q.sum()
+    order = np.argsort(-q, kind="stable")
+    keep = np.zeros(len(q), dtype=bool)
+    keep[order[: (k if k > 0 else len(q))]] = True
+    q = np.where(keep, q, 0.0) / np.where(keep, q, 0.0).sum()
+    mass_before = np.cumsum(q[order]) - q[order]
+    nucleus = np.zeros(len(q), dtype=bool)
+    nucleus[order[mass_before < p]] = True
+    q = np.where(nucleus, q, 0.0)
+    return q / q.sum()
+
+
+@pytest.mark.parametrize("t,k,p", [(1.0, -1, 1.0), (0.5, -1, 1.0), (2.0, -1, 1.0), (1.0, 3, 1.0),
+                                   (1.0, -1, 0.8), (0.7, -1, 0.6), (1.5, 4, 0.9)])
+@pytest.mark.parametrize("vary", ["seed", "counter"])
+def test_draws_follow_the_distribution(t, k, p, vary):
+    """chi-square with 5 or fewer degrees of freedom stays far below 40 (p ~ 1e-7) for a right
+    sampler; a wrong temperature, cut or a biased stream lands in the hundreds."""
+    logits = torch.log(torch.tensor(PROBS, dtype=torch.float32)).expand(N_DRAWS, len(PROBS)).contiguous()
+    if vary == "seed":  # many requests, each's first token
+        rows = [row(i, t=t, k=k, p=p, seed=1000 + i) for i in range(N_DRAWS)]
+    else:  # one request's successive tokens
+        rows = [row(i, t=t, k=k, p=p, seed=42, counter=i) for i in range(N_DRAWS)]
+    counts = np.bincount(sample(logits, rows), minlength=len(PROBS))
+    assert chi_square(counts, _expected(t, k, p)) < 40, counts
+
+
+def test_the_check_catches_a_wrong_distribution():
+    """The bound above is tight enough: sampling at temperature 1 fails the temperature-2 check."""
+    logits = torch.log(torch.tensor(PROBS, dtype=torch.float32)).expand(N_DRAWS, len(PROBS)).contiguous()
+    counts = np.bincount(sample(logits, [row(i, seed=1000 + i) for i in range(N_DRAWS)]), minlength=len(PROBS))
+    assert chi_square(counts, _expected(2.0)) > 200
 
 
 def test_nucleus_rows_that_need_many_rounds_still_land_in_it():
-    # a flat tail holding most of the mass outside a tiny nucleus forces rejections
+    # a flat tail holding most of the mass outside a tiny nucleus forces rejections (and the fallback)
     logits = torch.full((300, 1000), 0.0)
     logits[:, 0] = 8.0  # ~0.75 of the mass
-    out = Sampler(torch.device("cpu"), 4).sample(logits, [row(i, p=0.5) for i in range(300)])
+    out = sample(logits, [row(i, p=0.5) for i in range(300)])
     assert (out == 0).all()
 
 
-def test_seeded_nucleus_rows_are_reproducible_across_batches():
-    logits = torch.randn(1, 200)
-    alone = Sampler(torch.device("cpu"), 0).sample(logits, [row(7, p=0.9, seed=5)])[0]
-    batch = torch.cat([torch.randn(2, 200), logits])
-    together = Sampler(torch.device("cpu"), 9).sample(batch, [row(1, p=0.9), row(2, p=0.5), row(7, p=0.9, seed=5)])
-    assert together[2] == alone
+# --- the determinism rule ---------------------------------------------------------------------
+
+def test_issue_11_seeded_top_p_row_ignores_a_top_k_neighbour():
+    """Issue 11: temperature 1.5, top_p 0.5, seeded: a top_k=40 row joining the batch changed the
+    seeded row's tokens from the first one (every row switched to the sort path)."""
+    gen = torch.Generator().manual_seed(11)
+    for counter in range(40):
+        logits = 3 * torch.randn(2, 500, generator=gen)
+        seeded = row(7, t=1.5, p=0.5, seed=1234, counter=counter)
+        alone = sample(logits[1:], [seeded])[0]
+        with_top_k = sample(logits, [row(3, t=1.0, k=40, counter=counter), seeded])[1]
+        assert with_top_k == alone, f"token {counter}"
 
 
-def test_vanishing_temperature_is_greedy_not_nan():
-    logits = torch.randn(6, 40)
-    out = Sampler(torch.device("cpu"), 0).sample(logits, [row(i, t=1e-300) for i in range(6)])
-    assert np.array_equal(out, logits.argmax(-1).numpy())
+def _mixed_rows(counter: int) -> list[SamplingRow]:
+    """Every path and several temperatures; seeded rows and rows with engine-drawn seeds."""
+    return [
+        row(0, t=0.0),  # greedy
+        row(1, t=1.0, k=40, seed=11, counter=counter),  # top-k
+        row(2, t=0.8, p=0.9, seed=12, counter=counter),  # top-p (rejection)
+        row(3, t=1.3, seed=13, counter=counter),  # plain temperature
+        row(4, t=1.5, p=0.5, seed=1234, counter=counter),  # the issue's row
+        row(5, t=0.7, k=5, p=0.8, seed=15, counter=counter),  # top-k and top-p
+        row(6, t=1.0, p=0.3, seed=request_seed(0, 0, 6), counter=counter),  # unseeded request
+        row(7, t=2.0, seed=request_seed(0, 0, 7), counter=counter),  # unseeded request
+        row(8, t=1.0, p=0.5, seed=2**64 - 1, counter=counter),  # flat tail: several rejection rounds
+    ]
+
+
+def _mixed_logits(counter: int) -> torch.Tensor:
+    logits = 2 * torch.randn(9, 300, generator=torch.Generator().manual_seed(counter))
+    logits[8] = 0.0
+    logits[8, 0] = 6.9  # ~0.75 of the mass on token 0 of 300: draws outside the nucleus are common
+    return logits
+
+
+@pytest.mark.parametrize("counter", [0, 1, 17])
+def test_every_row_draws_the_same_token_alone_and_in_any_batch(counter):
+    logits, rows = _mixed_logits(counter), _mixed_rows(counter)
+    alone = [sample(logits[i : i + 1], [r])[0] for i, r in enumerate(rows)]
+    assert sample(logits, rows).tolist() == alone
+    rng = np.random.default_rng(counter)
+    for size in (2, 3, 5, 9):
+        for _ in range(4):
+            pick = rng.permutation(len(rows))[:size]
+            got = sample(logits[torch.tensor(pick)], [rows[i] for i in pick])
+            assert got.tolist() == [alone[i] for i in pick], (size, pick.tolist())
+    # the same rows repeated (a batch of one kind) changes nothing either
+    for i, r in enumerate(rows):
+        assert set(sample(logits[i : i + 1].expand(4, -1), [r] * 4).tolist()) == {alone[i]}
+
+
+def test_draws_are_a_function_of_seed_and_counter():
+    logits = torch.zeros(1, 1000)  # uniform: every token equally likely, so the noise alone decides
+    draw = lambda seed, counter: sample(logits, [row(0, seed=seed, counter=counter)])[0]
+    assert draw(5, 3) == draw(5, 3)
+    assert len({draw(5, c) for c in range(20)}) > 15  # successive tokens draw afresh
+    assert len({draw(s, 0) for s in range(20)}) > 15  # so do other seeds
+    assert len({draw(s << 32, 0) for s in range(1, 20)}) > 15  # the seed's high 32 bits count
+    assert draw(-1, 0) == draw(2**64 - 1, 0)  # the seed's 64 bits, as torch.manual_seed reads them
+
+
+def test_seed_bits_and_request_seeds():
+    assert seed_bits(2**64 - 1) == -1 and seed_bits(2**63) == -(2**63) and seed_bits(5) == 5
+    seeds = {request_seed(0, 0, i) for i in range(100)}
+    assert len(seeds) == 100 and all(0 <= s < 2**64 for s in seeds)
+    assert request_seed(0, 0, 3) == request_seed(0, 0, 3)
+    assert len({request_seed(0, 0, 3), request_seed(1, 0, 3), request_seed(0, 9, 3), request_seed(-1, 0, 3)}) == 4
+
+
+def test_noise_rounds_are_independent_streams():
+    """A rejected nucleus draw redraws from another stream of the same row (not the same noise)."""
+    from spmd_engine.sampler import gumbel_noise
+    seeds = torch.tensor([3], device=DEVICE)
+    counters = torch.tensor([0], device=DEVICE)
+    rounds = torch.stack([gumbel_noise(seeds, counters, r, 4000)[0] for r in range(NUCLEUS_ROUNDS + 1)]).cpu()
+    corr = torch.corrcoef(rounds)
+    assert (corr - torch.eye(len(rounds))).abs().max() < 0.1
+    assert 0.5 < rounds.mean() < 0.65  # Gumbel mean: Euler's 0.577
+
+
+def test_the_nucleus_fallback_keeps_the_distribution_and_the_batch_independence(monkeypatch):
+    """A slowly decaying distribution with a small nucleus: each rejection cuts little, so some rows
+    exhaust the rejection rounds and take the sort (with their own noise round); their draws still
+    follow the renormalised nucleus, and each row draws the same alone."""
+    import spmd_engine.sampler as sampler_module
+    vocab, n = 400, 4000
+    logits = (-0.01 * torch.arange(vocab, dtype=torch.float32)).expand(n, vocab).contiguous()
+    sorted_rows = []
+    apply = sampler_module._apply_top_k_top_p
+    monkeypatch.setattr(sampler_module, "_apply_top_k_top_p",
+                        lambda z, ks, ps: (sorted_rows.append(z.shape[0]), apply(z, ks, ps))[1])
+    rows = [row(i, p=0.1, seed=i) for i in range(n)]
+    out = sample(logits, rows)
+    assert sum(sorted_rows) > 20  # the fallback ran (about 2.5 % of the rows)
+    p = torch.softmax(logits[0].double(), dim=0).numpy()
+    nucleus = np.cumsum(p) - p < 0.1  # 11 tokens
+    expected = np.where(nucleus, p, 0.0) / p[nucleus].sum()
+    assert chi_square(np.bincount(out, minlength=vocab), expected) < 50  # 10 degrees of freedom
+    alone = [sample(logits[i : i + 1], [rows[i]])[0] for i in range(400)]
+    assert alone == out[:400].tolist()

@@ -1,0 +1,94 @@
+"""The Triton sampling-noise kernels against the numpy reference: the same 32-bit hash bit for bit
+(the sampler's draws must not depend on which implementation ran), Gumbel noise equal up to log
+rounding; and the hash's streams for other seeds, counters and rounds are unrelated."""
+import pytest
+import torch
+
+from kernels.reference import gumbel_noise_reference, sampling_hash_reference
+from kernels.sampling_noise import BLOCK, gumbel_noise, gumbel_race, sampling_hash
+from tests.kernels.paged_batch import DEVICE, gpu_case
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::RuntimeWarning")  # interpreter
+
+SEEDS = [0, 1, -1, 2**63 - 1, -(2**63), 0x0123456789ABCDEF, 7 << 32]
+COUNTERS = [0, 1, 5, 1 << 31, (1 << 40) + 3, 2**62, 9]
+
+
+@pytest.mark.parametrize("round_,vocab", [(0, 37), (1, BLOCK + 5), (5, 300), gpu_case(2, 151_936)])
+def test_hash_is_bit_identical_to_the_reference(round_, vocab):
+    seeds = torch.tensor(SEEDS, dtype=torch.int64, device=DEVICE)
+    counters = torch.tensor(COUNTERS, dtype=torch.int64, device=DEVICE)
+    bits = sampling_hash(seeds, counters, round_, vocab)
+    assert torch.equal(bits, sampling_hash_reference(seeds, counters, round_, vocab))
+    assert int(bits.min()) >= 0 and int(bits.max()) < 2**32
+    noise = gumbel_noise(seeds, counters, round_, vocab)
+    torch.testing.assert_close(noise, gumbel_noise_reference(seeds, counters, round_, vocab), atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(noise).all()
+
+
+def test_empty_batch_and_bad_shapes():
+    empty = torch.zeros(0, dtype=torch.int64, device=DEVICE)
+    assert gumbel_noise(empty, empty, 0, 10).shape == (0, 10)
+    with pytest.raises(ValueError, match="seeds and counters"):
+        gumbel_noise(torch.zeros(2, dtype=torch.int64, device=DEVICE), empty, 0, 10)
+
+
+def test_a_row_hashes_its_columns_to_distinct_values():
+    bits = sampling_hash_reference(torch.tensor([5]), torch.tensor([0]), 0, 50_000)
+    assert bits.unique().numel() == 50_000  # column -> hash is a bijection for a fixed row
+
+
+def test_neighbouring_seeds_counters_and_rounds_give_unrelated_streams():
+    """Seeds, counters and rounds one apart (and seeds apart only in their high 32 bits) must not
+    give shifted or correlated copies of one stream."""
+    vocab = 4096
+    base = torch.tensor([1000]), torch.tensor([10])
+
+    def uniform(seed, counter, round_=0):
+        return sampling_hash_reference(torch.tensor([seed]), torch.tensor([counter]), round_, vocab)[0].double() / 2**32
+
+    ref = uniform(*[int(t) for t in base])
+    others = [uniform(1001, 10), uniform(1000, 11), uniform(1000, 10, 1), uniform(1000 + (1 << 32), 10),
+              uniform(1000, 10 + (1 << 32)), uniform(10, 1000)]
+    for other in others:
+        assert abs(torch.corrcoef(torch.stack([ref, other]))[0, 1]) < 0.1
+        assert (ref == other).sum() < 3
+    # the bits of the whole output are balanced (no stuck bit)
+    bits = sampling_hash_reference(torch.arange(64), torch.zeros(64, dtype=torch.int64), 0, 1024)
+    ones = torch.stack([(bits >> b) & 1 for b in range(32)]).double().mean(dim=(1, 2))
+    assert ((ones - 0.5).abs() < 0.01).all()
+
+
+def test_gumbel_noise_is_gumbel_distributed():
+    noise = gumbel_noise_reference(torch.arange(4), torch.zeros(4, dtype=torch.int64), 0, 50_000).double()
+    assert abs(noise.mean().item() - 0.5772) < 0.01  # Euler-Mascheroni
+    assert abs(noise.var().item() - torch.pi**2 / 6) < 0.03
+    # P(G > 5) = 1 - exp(-exp(-5)): the tail the rare tokens need is there
+    assert abs((noise > 5).double().mean().item() - 0.0067153) < 0.0015
+
+
+@pytest.mark.parametrize("rows,vocab", [(6, 37), (5, 2 * BLOCK + 7), gpu_case(256, 151_936)])
+def test_fused_race_equals_logits_over_t_plus_the_noise(rows, vocab):
+    """The fused plain draw is exactly argmax(logits / T + gumbel_noise) of the unfused path."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = (3 * torch.randn(rows, vocab, generator=gen)).to(DEVICE)
+    temps = (0.3 + 2 * torch.rand(rows, generator=gen)).to(DEVICE)
+    seeds = torch.randint(-(2**63), 2**63 - 1, (rows,), generator=gen).to(DEVICE)
+    counters = torch.randint(0, 5000, (rows,), generator=gen).to(DEVICE)
+    noise = gumbel_noise(seeds, counters, 0, vocab)  # the kernel path the GPU sampler's other rows use
+    expected = (logits / temps[:, None] + noise).argmax(dim=-1)
+    assert torch.equal(gumbel_race(logits, temps, seeds, counters), expected)
+    if DEVICE.type == "cpu":  # and the torch reference, which the CPU sampler uses
+        ref = (logits / temps[:, None] + gumbel_noise_reference(seeds, counters, 0, vocab)).argmax(dim=-1)
+        assert torch.equal(gumbel_race(logits, temps, seeds, counters), ref)
+
+
+def test_fused_race_spans_blocks_and_skips_minus_inf():
+    logits = torch.full((2, BLOCK + 10), float("-inf"), device=DEVICE)
+    logits[0, [3, BLOCK + 4]] = 0.0  # two finite tokens in two blocks
+    logits[1, 5] = 1.0
+    temps = torch.ones(2, device=DEVICE)
+    keys = torch.arange(2, device=DEVICE)
+    got = gumbel_race(logits, temps, keys, keys).tolist()
+    assert got[0] in (3, BLOCK + 4) and got[1] == 5
+    assert got == (logits + gumbel_noise(keys, keys, 0, logits.shape[1])).argmax(dim=-1).tolist()
