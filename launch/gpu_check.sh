@@ -41,9 +41,10 @@ for stage in $stages; do
 import torch, triton.testing
 from spmd_engine.sampler import Sampler, SamplingRow
 logits = torch.randn(256, 151936, device="cuda") * 2
-sampler = Sampler(torch.device("cuda"), 0)
-for name, t, p in (("greedy", 0.0, 1.0), ("temperature 0.6", 0.6, 1.0), ("temperature 0.6 top_p 0.95", 0.6, 0.95)):
-    rows = [SamplingRow(i, t, p, -1, None) for i in range(256)]
+sampler = Sampler(torch.device("cuda"))
+for name, t, p, k in (("greedy", 0.0, 1.0, -1), ("temperature 0.6", 0.6, 1.0, -1), ("temperature 0.6 top_p 0.95", 0.6, 0.95, -1),
+                      ("temperature 0.6 top_k 20", 0.6, 1.0, 20)):
+    rows = [SamplingRow(i, t, p, k, i, 7) for i in range(256)]
     ms = triton.testing.do_bench(lambda: sampler.sample(logits, rows), warmup=20, rep=200, return_mode="median")
     print(f"sampler {name}: {ms:.3f} ms")
 PY

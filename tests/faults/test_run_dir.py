@@ -146,7 +146,7 @@ def test_resume_with_another_prompts_file_is_refused_on_every_rank(fault_ckpt: P
     same, _ = _copy(finished_job[0], tmp_path / "same")
     hotter, again = run_engines([_args(fault_ckpt, job, prompts, "resume=true", "sampling.temperature=0.5"),
                                  _args(fault_ckpt, same, prompts, "resume=true")], tmp_path, timeout_s=120)
-    _one_error_line(hotter, "row 0 is not this job's request 0: sampling.temperature differs: kept 0, now 0.5")
+    _one_error_line(hotter, "row 0 is not this job's request 0: sampling.temperature differs: kept 0.0, now 0.5")
     again.check()
     assert "3 requests already in" in again.stdout + again.stderr  # the same prompts and sampling: accepted
     assert (job / "outputs.jsonl").read_bytes() == (same / "outputs.jsonl").read_bytes() == finished
