@@ -108,20 +108,22 @@ def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, round_: int, vocab
 
 
 @triton.jit
-def _gumbel_race_kernel(logits, temps, seeds, counters, out, vocab, stride_row,
-                        BLOCK: tl.constexpr, MUL1: tl.constexpr, MUL2: tl.constexpr,
+def _gumbel_race_kernel(logits, temps, seeds, counters, best_scores, best_cols, vocab, stride_row, num_chunks,
+                        CHUNK: tl.constexpr, BLOCK: tl.constexpr, MUL1: tl.constexpr, MUL2: tl.constexpr,
                         A0: tl.constexpr, B0: tl.constexpr, CMUL: tl.constexpr):
-    """One program per row: argmax over the vocabulary of logits / T + round-0 Gumbel noise, the
-    noise made in registers (no [N, V] tensor); ties go to the lowest column, as torch.argmax."""
+    """One program per (row, vocabulary chunk): the chunk's best logits / T + round-0 Gumbel noise and
+    its column, the noise made in registers (no [N, V] tensor); ties go to the lowest column, as
+    torch.argmax. Chunks rather than whole rows: a row per program leaves most of the GPU idle."""
     row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
     seed = tl.load(seeds + row).to(tl.int64)
     counter = tl.load(counters + row).to(tl.int64)
     temp = tl.load(temps + row)
     a, b = _row_keys(seed, counter, tl.full((), 0, tl.uint32), MUL1, MUL2, A0, B0)
     best = tl.full((), float("-inf"), tl.float32)
-    best_col = tl.full((), 0, tl.int64)
-    for start in range(0, vocab, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
+    best_col = tl.full((), 0, tl.int64) + chunk * CHUNK
+    for offset in range(0, CHUNK, BLOCK):
+        cols = chunk * CHUNK + offset + tl.arange(0, BLOCK)
         mask = cols < vocab
         x = tl.load(logits + row * stride_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
         score = tl.div_rn(x, temp) + _gumbel_from_hash(_column_hash(a, b, cols, MUL1, MUL2, CMUL))
@@ -131,7 +133,11 @@ def _gumbel_race_kernel(logits, temps, seeds, counters, out, vocab, stride_row,
         better = block_best > best  # strictly: an earlier block keeps a tie
         best_col = tl.where(better, block_col, best_col)
         best = tl.where(better, block_best, best)
-    tl.store(out + row, best_col)
+    tl.store(best_scores + row * num_chunks + chunk, best)
+    tl.store(best_cols + row * num_chunks + chunk, best_col)
+
+
+RACE_CHUNK = 4 * BLOCK  # columns per program of the fused race
 
 
 def gumbel_race(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
@@ -144,10 +150,15 @@ def gumbel_race(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.T
     rows, vocab = logits.shape
     if temperatures.shape != (rows,) or seeds.shape != (rows,) or counters.shape != (rows,):
         raise ValueError(f"gumbel_race: temperatures, seeds and counters must be [{rows}]")
-    out = torch.zeros(rows, device=logits.device, dtype=torch.int64)
-    if rows and vocab:
-        _gumbel_race_kernel[(rows,)](
-            logits, temperatures.float().contiguous(), seeds.long().contiguous(), counters.long().contiguous(), out,
-            vocab, logits.stride(0),
-            BLOCK=BLOCK, MUL1=HASH_MUL1, MUL2=HASH_MUL2, A0=LANE_A, B0=LANE_B, CMUL=COLUMN_MUL, num_warps=4)
-    return out
+    if not rows or not vocab:
+        return torch.zeros(rows, device=logits.device, dtype=torch.int64)
+    num_chunks = triton.cdiv(vocab, RACE_CHUNK)
+    scores = torch.empty(rows, num_chunks, device=logits.device, dtype=torch.float32)
+    cols = torch.empty(rows, num_chunks, device=logits.device, dtype=torch.int64)
+    _gumbel_race_kernel[(rows, num_chunks)](
+        logits, temperatures.float().contiguous(), seeds.long().contiguous(), counters.long().contiguous(),
+        scores, cols, vocab, logits.stride(0), num_chunks,
+        CHUNK=RACE_CHUNK, BLOCK=BLOCK, MUL1=HASH_MUL1, MUL2=HASH_MUL2, A0=LANE_A, B0=LANE_B, CMUL=COLUMN_MUL,
+        num_warps=4)
+    # the first chunk holding the row's maximum (torch.argmax takes the first): the lowest column
+    return cols.gather(1, scores.argmax(dim=1, keepdim=True)).squeeze(1)

@@ -66,6 +66,16 @@ def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, round_: int, vocab
     return gumbel_noise_reference(seeds, counters, round_, vocab)
 
 
+def _host_to(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small per-step tensor on `device` without waiting for the GPU: from pinned memory, non-blocking
+    (a copy from pageable memory may wait for the queued forward, which costs async scheduling its
+    overlap)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class Sampler:
     """Draws one token per logits row; stateless (each row carries its seed and counter)."""
 
@@ -95,17 +105,16 @@ class Sampler:
                 return self._sample_group(kind, logits.float(), rows)
             if out is None:
                 out = logits.argmax(dim=-1)
-            idx = torch.tensor(members, device=logits.device)
+            idx = _host_to(members, torch.int64, logits.device)
             out[idx] = self._sample_group(kind, logits.index_select(0, idx).float(), [rows[i] for i in members])
         return out if out is not None else logits.argmax(dim=-1)
 
     @staticmethod
     def _sample_group(kind: str, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         dev = logits.device
-        keys = torch.tensor([[seed_bits(r.seed) for r in rows], [r.counter for r in rows]], dtype=torch.int64,
-                            device=dev)
+        keys = _host_to([[seed_bits(r.seed) for r in rows], [r.counter for r in rows]], torch.int64, dev)
         seeds, counters = keys[0], keys[1]
-        temps = torch.tensor([r.temperature for r in rows], dtype=torch.float32, device=dev)
+        temps = _host_to([r.temperature for r in rows], torch.float32, dev)
         if kind == "plain" and dev.type == "cuda":  # fused: the noise never leaves the registers
             from kernels.sampling_noise import gumbel_race
             return gumbel_race(logits, temps, seeds, counters)
@@ -115,7 +124,7 @@ class Sampler:
             return _race(z, seeds, counters, 0)
         if kind == "top_k":
             return _race(_apply_top_k_top_p(z, [r.top_k for r in rows], [r.top_p for r in rows]), seeds, counters, 0)
-        top_p = torch.tensor([r.top_p for r in rows], dtype=torch.float32, device=dev)
+        top_p = _host_to([r.top_p for r in rows], torch.float32, dev)
         return _sample_nucleus(z, top_p, seeds, counters)
 
 
@@ -166,12 +175,12 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[flo
     """Mask logits outside each row's top-k and top-p nucleus with -inf (one sort for both)."""
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    k = torch.tensor([kk if kk > 0 else vocab for kk in top_ks], device=logits.device)
+    k = _host_to([kk if kk > 0 else vocab for kk in top_ks], torch.int64, logits.device)
     ranks = torch.arange(vocab, device=logits.device)[None, :]
     mask = ranks >= k[:, None]
     sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
     # top_p 1 masks nothing (a cumsum rounding past 1 must not cut the tail)
-    p = torch.tensor([pp if pp < 1.0 else float("inf") for pp in top_ps], device=logits.device, dtype=torch.float32)
+    p = _host_to([pp if pp < 1.0 else float("inf") for pp in top_ps], torch.float32, logits.device)
     probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly better tokens
     sorted_logits = sorted_logits.masked_fill(mass_before >= p[:, None], float("-inf"))
