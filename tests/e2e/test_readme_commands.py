@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +49,13 @@ class Run:
 @dataclass
 class Skip:
     reason: str
+
+
+@dataclass
+class Report:
+    """The sweep report over a multirun that the README's multirun command makes (run first, small)."""
+
+    sweep: list[str]
 
 
 def only_job_dir(cwd: Path) -> Path:
@@ -95,7 +104,7 @@ def one_job_per_value(run: EngineRun, cwd: Path) -> None:
 
 
 REQUESTS_JSONL = json.dumps({"prompt": "Name a color."}) + "\n" + json.dumps({"prompt_token_ids": [1, 2, 3]}) + "\n"
-COMMANDS: dict[str, Run | Skip] = {
+COMMANDS: dict[str, Run | Skip | Report] = {
     "bash launch/setup.sh": Skip("installs the packages; CI (.ci/run) runs it before pytest"),
     "python run.py": Run(completed(4), FEW_TOKENS),
     "python -m pytest -q": Skip("the test suite itself"),
@@ -108,6 +117,7 @@ COMMANDS: dict[str, Run | Skip] = {
         Run(token_prompts_on_two_ranks, [*TINY_QWEN3, *FEW_TOKENS]),
     "python run.py --cfg job": Run(printed_config),
     "python run.py -m block_size=16,32": Run(one_job_per_value, FEW_TOKENS),
+    "python launch/sweep_report.py multirun/DATE/TIME": Report(["-m", "block_size=16,32", *FEW_TOKENS]),
 }
 
 
@@ -147,6 +157,16 @@ def test_readme_command(command: list[str], tiny_qwen3: Path, tmp_path: Path, re
     how = COMMANDS[" ".join(command)]
     if isinstance(how, Skip):
         pytest.skip(how.reason)
+    if isinstance(how, Report):
+        sweep = run_engine(how.sweep, tmp_path, timeout_s=300)
+        assert sweep.returncode == 0, sweep.describe()
+        (sweep_dir,) = {p.parent.parent for p in tmp_path.glob("multirun/*/*/*/metrics.json")}
+        report = subprocess.run([sys.executable, str(REPO / command[1]), str(sweep_dir)], capture_output=True,
+                                text=True, timeout=120, cwd=tmp_path)
+        assert report.returncode == 0, report.stderr
+        assert "block_size" in report.stdout and "ok" in report.stdout, report.stdout
+        assert (sweep_dir / "sweep.png").is_file(), report.stdout
+        return
     if how.fixture is not None:
         assert run_args(command, tiny_qwen3) == (REAL_PROMPT_ARGS, None)
         how.check(*request.getfixturevalue(how.fixture))
