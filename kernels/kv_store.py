@@ -69,10 +69,12 @@ def _store_kv_kernel(
     src_v = tl.load(value + tok * stride_value_tok + heads * stride_value_head + dims, mask=mask)
     dst = (slot // block_size) * stride_cache_block + (slot % block_size) * stride_cache_pos
     dst = dst + heads * stride_cache_head + dims
-    if QUANTIZE:
-        head_valid = heads < num_heads
-        src_k = _round_to_e4m3(src_k.to(tl.float32) / tl.load(k_scale + heads, mask=head_valid, other=1.0))
-        src_v = _round_to_e4m3(src_v.to(tl.float32) / tl.load(v_scale + heads, mask=head_valid, other=1.0))
+    if QUANTIZE:  # IEEE division (div_rn, not the approximate `/`): the bytes torch writes, for any scale
+        per_head = heads + 0 * dims  # [BLOCK_H, BLOCK_D]: each head's scale across its row
+        k_scale_row = tl.load(k_scale + per_head, mask=mask, other=1.0)
+        v_scale_row = tl.load(v_scale + per_head, mask=mask, other=1.0)
+        src_k = _round_to_e4m3(tl.math.div_rn(src_k.to(tl.float32), k_scale_row))
+        src_v = _round_to_e4m3(tl.math.div_rn(src_v.to(tl.float32), v_scale_row))
     tl.store(k_cache + dst, src_k.to(k_cache.dtype.element_ty), mask=mask)
     tl.store(v_cache + dst, src_v.to(v_cache.dtype.element_ty), mask=mask)
 
