@@ -76,26 +76,29 @@ def checkpoint(tmp_path_factory):
     return tiny_bf16_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt")
 
 
-def test_fp8_engine_graphs_match_eager_and_the_pool_doubles(checkpoint):
-    eager = make_llm(checkpoint, kv_cache_dtype="fp8", enforce_eager=True, attention_backend="triton")
-    try:
-        assert eager.runner.graphs is None and eager.runner.spec.dtype == FP8_DTYPE
-        eager_tokens = greedy_tokens(eager, PROMPTS)
-    finally:
-        eager.close()
-    budgets = {}
+def test_fp8_engine_graphs_match_eager(checkpoint):
+    tokens = []
+    for eager in (True, False):
+        llm = make_llm(checkpoint, kv_cache_dtype="fp8", enforce_eager=eager, attention_backend="triton")
+        try:
+            assert (llm.runner.graphs is None) == eager and llm.runner.spec.dtype == FP8_DTYPE
+            tokens.append(greedy_tokens(llm, PROMPTS))
+        finally:
+            llm.close()
+    assert tokens[0] == tokens[1]  # the same kernels, replayed
+
+
+def test_fp8_pool_holds_twice_the_blocks_of_bf16(checkpoint):
+    pools = {}
     for kv in ("auto", "fp8"):
         llm = make_llm(checkpoint, kv_cache_dtype=kv, num_kv_blocks=None, gpu_memory_utilization=0.3)
         try:
-            budgets[kv] = (llm.runner.num_blocks, llm.runner.spec.bytes_per_block)
-            if kv == "fp8":
-                assert llm.runner.graphs is not None
-                assert greedy_tokens(llm, PROMPTS) == eager_tokens  # same kernels, replayed
+            pools[kv] = (llm.runner.num_blocks, llm.runner.spec.bytes_per_block, llm.kv_capacity.as_dict()["tokens"])
         finally:
             llm.close()
-    (auto_blocks, auto_bytes), (fp8_blocks, fp8_bytes) = budgets["auto"], budgets["fp8"]
+    (auto_blocks, auto_bytes, auto_tokens), (fp8_blocks, fp8_bytes, fp8_tokens) = pools["auto"], pools["fp8"]
     assert 2 * fp8_bytes == auto_bytes
-    assert fp8_blocks > 1.9 * auto_blocks
+    assert fp8_blocks > 1.9 * auto_blocks and fp8_tokens > 1.9 * auto_tokens
 
 
 def test_fp8_engine_first_tokens_match_the_torch_reference(checkpoint):

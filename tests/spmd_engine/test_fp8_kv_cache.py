@@ -48,6 +48,18 @@ def test_bad_kv_cache_dtype_is_one_line_naming_the_key():
         cfg.validate(1)
 
 
+def test_the_command_line_key_reaches_the_engine_config():
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    conf = Path(__file__).resolve().parents[2] / "conf"
+    with initialize_config_dir(version_base="1.3", config_dir=str(conf)):
+        default = OmegaConf.to_container(compose(config_name="config"), resolve=True)
+        fp8 = OmegaConf.to_container(compose(config_name="config", overrides=["kv_cache_dtype=fp8"]), resolve=True)
+    assert engine_config_from_dict(default).kv_cache_dtype == "auto"
+    assert engine_config_from_dict(fp8).kv_cache_dtype == "fp8"
+
+
 def test_fp8_blocks_are_half_a_bf16_block_so_the_pool_holds_twice_the_tokens():
     shape = ModelShape.from_hf_config({"architectures": ["LlamaForCausalLM"], "hidden_size": 64,
                                        "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 3,
