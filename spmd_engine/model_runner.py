@@ -64,6 +64,8 @@ class ModelRunner:
         if self.spec.is_fp8:
             calibration_tokens = min(FP8_CALIBRATION_TOKENS, settings.max_model_len, settings.max_num_batched_tokens)
             self.kv_scales = calibrate_fp8_kv_scales(model, shape.vocab_size, calibration_tokens, device)
+            if device.type == "cuda":  # hand the calibration's activations back before the pool is carved out
+                torch.cuda.empty_cache()
         self.kv_caches = allocate_kv_cache(self.spec, self.num_blocks, device)
         model.bind_kv_cache(self.kv_caches)
         bind_kv_scales(model, self.kv_scales)

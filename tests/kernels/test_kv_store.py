@@ -106,7 +106,7 @@ def test_fp8_store_writes_the_reference_bytes(tokens, block_size, heads, head_di
     assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
     assert k_cache.float().isfinite().all()  # saturated, never NaN
     written = k_ref[slots[slots >= 0] // block_size, slots[slots >= 0] % block_size].float()
-    assert written.abs().max() == 448.0 or dtype != torch.float32
+    assert written.abs().max() == 448.0  # every case has values past the range: saturated, not NaN
 
 
 def test_fp8_store_needs_scales():
