@@ -130,3 +130,16 @@ def test_fp8_teacher_forced_predictions_agree_with_the_float32_cache(tiny):
     agreement = sum(a == b for a, b in zip(predicted, expected)) / len(expected)
     assert agreement >= 0.8, f"teacher-forced top-1 agreement {agreement:.3f}"
     assert [d[0] for d in decoded] == predicted[::NEW_TOKENS]  # first tokens: the same prefill either way
+
+
+@pytest.mark.slow
+def test_real_smollm2_default_answer_is_unchanged_with_fp8(smollm2_dir):
+    """The README's first command with kv_cache_dtype=fp8 on the real weights: the same greedy answer."""
+    from transformers import AutoTokenizer
+
+    from tests.e2e.engine_args import REAL_PROMPT_ARGS
+    from tests.helpers.run_engine import generate_in_process
+
+    [token_ids] = generate_in_process([*REAL_PROMPT_ARGS, "kv_cache_dtype=fp8", "device=cpu"])
+    text = AutoTokenizer.from_pretrained(smollm2_dir).decode(token_ids, skip_special_tokens=True)
+    assert text == "The capital of France is Paris."
