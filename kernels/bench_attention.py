@@ -3,7 +3,8 @@
 Decode is bandwidth-bound (reported as achieved GB/s over the K/V bytes it must read); prefill is
 compute-bound (reported as TFLOP/s over the causal QK^T and PV products). Every row also shows the
 relative error against `kernels/reference.py`. Run: `PYTHONPATH=. python kernels/bench_attention.py`
-(`--sweep` additionally times a grid of tile configs to pick the defaults).
+(`--sweep` additionally times a grid of tile configs to pick the defaults; `--kv-fp8` stores the caches
+as float8 e4m3 with per-KV-head scales, the `kv_cache_dtype=fp8` path: GB/s then counts 1-byte K/V).
 """
 from __future__ import annotations
 
@@ -21,11 +22,13 @@ from kernels.decode_attention import (
     default_decode_config,
     paged_decode_attention,
 )
+from kernels.kv_quant import FP8_DTYPE
 from kernels.kv_store import store_kv
 from kernels.prefill_attention import PrefillConfig, default_prefill_config, paged_prefill_attention
 from kernels.reference import paged_attention_reference
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, DTYPE = 16, 8, 128, torch.bfloat16  # Qwen3-0.6B
+KV_FP8 = False  # --kv-fp8: float8_e4m3fn caches with per-KV-head scales
 
 
 @lru_cache(maxsize=4)
@@ -37,6 +40,8 @@ def paged_inputs(query_len: int, seq_lens: tuple[int, ...], block_size: int, see
     shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
     k_cache = torch.randn(shape, device="cuda", dtype=DTYPE, generator=gen)
     v_cache = torch.randn(shape, device="cuda", dtype=DTYPE, generator=gen)
+    if KV_FP8:
+        k_cache, v_cache = k_cache.to(FP8_DTYPE), v_cache.to(FP8_DTYPE)
     order = torch.randperm(num_blocks, device="cuda", generator=gen).to(torch.int32)
     tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32, device="cuda")
     used = 0
@@ -48,6 +53,14 @@ def paged_inputs(query_len: int, seq_lens: tuple[int, ...], block_size: int, see
     query = torch.randn(int(cu[-1]), NUM_Q_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE, generator=gen)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
     return query, k_cache, v_cache, cu, lens, tables
+
+
+def kv_scales() -> dict[str, torch.Tensor | None]:
+    """The k_scale/v_scale keyword arguments: per-KV-head powers of two with an fp8 cache, else none."""
+    if not KV_FP8:
+        return {"k_scale": None, "v_scale": None}
+    scale = torch.exp2(-(torch.arange(NUM_KV_HEADS, device="cuda", dtype=torch.float32) % 4))
+    return {"k_scale": scale / 8, "v_scale": scale}
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -69,9 +82,10 @@ def bench_decode(batch: int, context: int, block_size: int, config: DecodeConfig
     q, kc, vc, cu, lens, tables = paged_inputs(1, (context,) * batch, block_size)
     scale = HEAD_DIM**-0.5
     out = torch.empty_like(q)
-    run = lambda: paged_decode_attention(q, kc, vc, lens, tables, scale, out=out, config=config)  # noqa: E731
+    scales = kv_scales()
+    run = lambda: paged_decode_attention(q, kc, vc, lens, tables, scale, out=out, config=config, **scales)  # noqa: E731
     run()
-    err = rel_error(out, paged_attention_reference(q, kc, vc, cu, lens, tables, scale)) if config is None else 0.0
+    err = rel_error(out, paged_attention_reference(q, kc, vc, cu, lens, tables, scale, **scales)) if config is None else 0.0
     ms = median_ms(run, rep=200 if config is None else 60)
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * kc.element_size()
     io_bytes = 2 * q.numel() * q.element_size() + tables.numel() * 4
@@ -85,9 +99,11 @@ def bench_prefill(batch: int, length: int, block_size: int, config: PrefillConfi
     q, kc, vc, cu, lens, tables = paged_inputs(length, (length,) * batch, block_size)
     scale = HEAD_DIM**-0.5
     out = torch.empty_like(q)
-    run = lambda: paged_prefill_attention(q, kc, vc, cu, lens, tables, scale, length, out=out, config=config)  # noqa: E731
+    scales = kv_scales()
+    run = lambda: paged_prefill_attention(q, kc, vc, cu, lens, tables, scale, length, out=out, config=config,  # noqa: E731
+                                          **scales)
     run()
-    err = rel_error(out, paged_attention_reference(q, kc, vc, cu, lens, tables, scale)) if config is None else 0.0
+    err = rel_error(out, paged_attention_reference(q, kc, vc, cu, lens, tables, scale, **scales)) if config is None else 0.0
     ms = median_ms(run, rep=200 if config is None else 60)
     flops = 4 * batch * NUM_Q_HEADS * HEAD_DIM * length * (length + 1) / 2  # causal pairs
     return ms, flops / ms / 1e9, err
@@ -108,11 +124,13 @@ def bench_store(tokens: int, block_size: int):
     key = torch.randn(tokens, NUM_KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE, generator=gen)
     value = torch.randn_like(key)
     num_blocks = math.ceil(tokens / block_size)
-    k_cache = torch.empty(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    k_cache = torch.empty(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM, device="cuda",
+                          dtype=FP8_DTYPE if KV_FP8 else DTYPE)
     v_cache = torch.empty_like(k_cache)
     slots = torch.randperm(num_blocks * block_size, device="cuda", generator=gen)[:tokens]
-    ms = median_ms(lambda: store_kv(key, value, k_cache, v_cache, slots))
-    return ms, 4 * key.numel() * key.element_size() / ms / 1e6
+    scales = kv_scales()
+    ms = median_ms(lambda: store_kv(key, value, k_cache, v_cache, slots, scales["k_scale"], scales["v_scale"]))
+    return ms, 2 * key.numel() * (key.element_size() + k_cache.element_size()) / ms / 1e6
 
 
 def sweep() -> None:
@@ -143,12 +161,16 @@ def sweep() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sweep", action="store_true", help="also time a grid of tile configs")
+    parser.add_argument("--kv-fp8", action="store_true", help="float8 e4m3 K/V caches (kv_cache_dtype=fp8)")
     args = parser.parse_args()
+    global KV_FP8
+    KV_FP8 = args.kv_fp8
     if not torch.cuda.is_available():
         raise SystemExit("bench_attention.py needs a CUDA GPU")
     device = torch.device("cuda")
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
-    print(f"# shape: Hq={NUM_Q_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM} {DTYPE}")
+    print(f"# shape: Hq={NUM_Q_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM} {DTYPE}, KV cache "
+          f"{'float8_e4m3fn' if KV_FP8 else DTYPE}")
     print(f"# decode config {default_decode_config(HEAD_DIM, device)}")
     print(f"# prefill config {default_prefill_config(HEAD_DIM, device)}")
     print(f"# device-to-device copy: {copy_bandwidth_gbs():.0f} GB/s (read + write)")

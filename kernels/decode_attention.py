@@ -5,7 +5,9 @@ packed into one tile, so each K/V tile is loaded once for all of them. Long cont
 NUM_SPLITS ranges whose partial (output, log-sum-exp) a second kernel merges; with one split the
 first kernel writes the output directly. The grid and NUM_SPLITS come only from tensor shapes and
 each split's range is computed on the device from seq_lens, so the launch is CUDA-graph safe; a
-split past a sequence's end writes a neutral partial (lse = -inf, output 0).
+split past a sequence's end writes a neutral partial (lse = -inf, output 0). A float8_e4m3fn
+cache is upcast on load (exact into fp16/bf16/fp32); its per-KV-head scales are folded into the
+score scale (K) and the split's output (V), so the inner loop does no extra multiplies.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention_support import check_attention_inputs, dot_precision, supports_shape
+from kernels.kv_quant import check_kv_scales
 from kernels.paged_kv_tile import paged_tile_offsets
 
 _LOG2_E = 1.4426950408889634
@@ -67,15 +70,18 @@ def decode_num_splits(
 @triton.jit
 def _decode_split_kernel(
     query, k_cache, v_cache, out, partial_out, partial_lse, seq_lens, block_tables, scale_log2,
+    k_scale, v_scale,
     stride_q_seq, stride_q_head, stride_o_seq, stride_o_head,
     stride_cache_block, stride_cache_pos, stride_cache_head, stride_table,
     num_q_heads,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    if KV_FP8:  # dequantization folded: q.(s_k k8) = s_k (q.k8), sum p (s_v v8) = s_v sum p v8
+        scale_log2 = scale_log2 * tl.load(k_scale + kv_head)
     seq_len = tl.load(seq_lens + seq)
     # this split's BLOCK_N-aligned share of the sequence (on device: no host sync)
     split_len = tl.cdiv(seq_len, NUM_SPLITS * BLOCK_N) * BLOCK_N
@@ -105,6 +111,9 @@ def _decode_split_kernel(
         offsets = rows[:, None] + kv_head_offset + dims[None, :]
         k = tl.load(k_cache + offsets, mask=valid[:, None], other=0.0)
         v = tl.load(v_cache + offsets, mask=valid[:, None], other=0.0)
+        if KV_FP8:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
         scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -118,6 +127,8 @@ def _decode_split_kernel(
 
     empty = l_i == 0.0  # split past the sequence end (or an empty sequence)
     result = acc / tl.where(empty, 1.0, l_i)[:, None]
+    if KV_FP8:
+        result = result * tl.load(v_scale + kv_head)
     if NUM_SPLITS == 1:
         tl.store(
             out + seq.to(tl.int64) * stride_o_seq + heads[:, None] * stride_o_head + dims[None, :],
@@ -168,9 +179,12 @@ def paged_decode_attention(
     *,
     num_splits: int | None = None,
     config: DecodeConfig | None = None,
+    k_scale: torch.Tensor | None = None,  # [Hkv] float32, only with a float8_e4m3fn cache
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's single new token over its seq_len cached keys; returns [B, Hq, D]."""
     check_attention_inputs("paged_decode_attention", query, k_cache, v_cache)
+    kv_fp8 = check_kv_scales("paged_decode_attention", k_cache, k_scale, v_scale)
     num_seqs, num_q_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     if out is None:
@@ -198,12 +212,13 @@ def paged_decode_attention(
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, out, partial_out, partial_lse, seq_lens, block_tables,
         scale * _LOG2_E,
+        k_scale if kv_fp8 else seq_lens, v_scale if kv_fp8 else seq_lens,  # unread without KV_FP8
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         num_q_heads,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim, BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits,
-        DOT_PRECISION=dot_precision(query.dtype),
+        DOT_PRECISION=dot_precision(query.dtype), KV_FP8=kv_fp8,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:

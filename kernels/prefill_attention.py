@@ -2,7 +2,9 @@
 
 One program owns BLOCK_M new query tokens of one sequence and one query head; it streams that
 sequence's cached + new keys through the block table with an fp32 online softmax. The causal
-mask is aligned lower-right, so a cached prefix (seq_len > q_len) is fully visible.
+mask is aligned lower-right, so a cached prefix (seq_len > q_len) is fully visible. A
+float8_e4m3fn cache is upcast on load; its per-KV-head scales are folded into the score scale (K)
+and the final output (V).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention_support import check_attention_inputs, dot_precision, supports_shape
+from kernels.kv_quant import check_kv_scales
 from kernels.paged_kv_tile import paged_tile_offsets
 
 _LOG2_E = 1.4426950408889634
@@ -48,7 +51,7 @@ def _attend_tile(
     q, acc, m_i, l_i, k_cache, v_cache, block_table_row, tile_start, seq_len, kv_head_offset,
     query_pos, scale_log2, stride_block, stride_pos,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     positions = tile_start + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
@@ -63,6 +66,9 @@ def _attend_tile(
     else:
         k = tl.load(k_cache + offsets)
         v = tl.load(v_cache + offsets)
+    if KV_FP8:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
     scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
     if MASKED:
         visible = (positions[None, :] <= query_pos[:, None]) & valid[None, :]
@@ -77,11 +83,11 @@ def _attend_tile(
 
 @triton.jit
 def _paged_prefill_kernel(
-    query, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, scale_log2,
+    query, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, scale_log2, k_scale, v_scale,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_cache_block, stride_cache_pos, stride_cache_head, stride_table,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     q_tile = tl.num_programs(0) - 1 - tl.program_id(0)  # longest causal rows start first
     head = tl.program_id(1)
@@ -106,6 +112,8 @@ def _paged_prefill_kernel(
 
     block_table_row = block_tables + seq.to(tl.int64) * stride_table
     kv_head_offset = (head // GROUP).to(tl.int64) * stride_cache_head
+    if KV_FP8:  # dequantization folded: q.(s_k k8) = s_k (q.k8)
+        scale_log2 = scale_log2 * tl.load(k_scale + head // GROUP)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -116,7 +124,7 @@ def _paged_prefill_kernel(
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_cache, v_cache, block_table_row, tile_start, seq_len,
             kv_head_offset, query_pos, scale_log2, stride_cache_block, stride_cache_pos,
-            BLOCK_SIZE, BLOCK_N, HEAD_DIM, False, DOT_PRECISION,
+            BLOCK_SIZE, BLOCK_N, HEAD_DIM, False, DOT_PRECISION, KV_FP8,
         )
     # the diagonal band and the sequence end: causal + length mask
     masked_end = tl.minimum(seq_len, context_len + first_row + BLOCK_M)
@@ -124,10 +132,12 @@ def _paged_prefill_kernel(
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_cache, v_cache, block_table_row, tile_start, seq_len,
             kv_head_offset, query_pos, scale_log2, stride_cache_block, stride_cache_pos,
-            BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, DOT_PRECISION,
+            BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, DOT_PRECISION, KV_FP8,
         )
 
     result = acc / l_i[:, None]
+    if KV_FP8:  # sum p (s_v v8) = s_v sum p v8
+        result = result * tl.load(v_scale + head // GROUP)
     tl.store(
         out + tokens[:, None] * stride_o_tok + head * stride_o_head + dims[None, :],
         result.to(out.dtype.element_ty),
@@ -147,9 +157,12 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     *,
     config: PrefillConfig | None = None,
+    k_scale: torch.Tensor | None = None,  # [Hkv] float32, only with a float8_e4m3fn cache
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached + new keys; returns [T, Hq, D]."""
     check_attention_inputs("paged_prefill_attention", query, k_cache, v_cache)
+    kv_fp8 = check_kv_scales("paged_prefill_attention", k_cache, k_scale, v_scale)
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
     if out is None:
@@ -164,10 +177,11 @@ def paged_prefill_attention(
     grid = (math.ceil(max_query_len / cfg.block_m), num_q_heads, num_seqs)
     _paged_prefill_kernel[grid](
         query, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, scale * _LOG2_E,
+        k_scale if kv_fp8 else seq_lens, v_scale if kv_fp8 else seq_lens,  # unread without KV_FP8
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=num_q_heads // k_cache.shape[2], BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision(query.dtype),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision(query.dtype), KV_FP8=kv_fp8,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -1,12 +1,16 @@
 """Plain-torch oracles for the KV-cache write and paged attention, and the sampling-noise hash.
 
 They are the CPU path of the engine and the ground truth the Triton kernels are tested against.
-KV cache layout (every backend): [num_blocks, block_size, num_kv_heads, head_dim].
+KV cache layout (every backend): [num_blocks, block_size, num_kv_heads, head_dim]. A
+float8_e4m3fn cache comes with per-KV-head scales (`kernels/kv_quant.py`): written quantized,
+upcast to float32 and multiplied by its scale on read.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+from kernels.kv_quant import check_kv_scales, quantize_fp8_reference
 
 
 def store_kv_reference(
@@ -15,11 +19,18 @@ def store_kv_reference(
     k_cache: torch.Tensor,  # [N, bs, Hkv, D]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int; -1 = padding, skipped
+    k_scale: torch.Tensor | None = None,  # [Hkv] float32, only with a float8_e4m3fn cache
+    v_scale: torch.Tensor | None = None,
 ) -> None:
+    fp8 = check_kv_scales("store_kv_reference", k_cache, k_scale, v_scale)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     block_size = k_cache.shape[1]
     blocks, offsets = slots // block_size, slots % block_size
+    if fp8:
+        k_cache[blocks, offsets] = quantize_fp8_reference(key[keep], k_scale)
+        v_cache[blocks, offsets] = quantize_fp8_reference(value[keep], v_scale)
+        return
     k_cache[blocks, offsets] = key[keep].to(k_cache.dtype)
     v_cache[blocks, offsets] = value[keep].to(v_cache.dtype)
 
@@ -42,12 +53,15 @@ def paged_attention_reference(
     seq_lens: torch.Tensor,  # [B]
     block_tables: torch.Tensor,  # [B, max_blocks]
     scale: float,
+    k_scale: torch.Tensor | None = None,  # [Hkv] float32, only with a float8_e4m3fn cache
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole cached context (GQA aware).
 
-    Accumulates in float32 and returns query.dtype. The mask is aligned lower-right: query i of a
+    Accumulates in float32 and returns query.dtype; an fp8 cache is dequantized on read. The mask is aligned lower-right: query i of a
     sequence with q_len new tokens and seq_len keys sees keys 0 .. seq_len - q_len + i.
     """
+    fp8 = check_kv_scales("paged_attention_reference", k_cache, k_scale, v_scale)
     out = torch.empty_like(query)
     num_q_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -61,6 +75,9 @@ def paged_attention_reference(
         q = query[start:end].float().transpose(0, 1)  # [Hq, q, D]
         k = gather_kv_reference(k_cache, block_tables[b], seq_len).float()
         v = gather_kv_reference(v_cache, block_tables[b], seq_len).float()
+        if fp8:
+            k = k * k_scale[None, :, None]
+            v = v * v_scale[None, :, None]
         k = k.transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, S, D]
         v = v.transpose(0, 1).repeat_interleave(group, dim=0)
         scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [Hq, q, S]

@@ -64,6 +64,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     device: str = "auto"
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # auto (the model dtype) | fp8 (float8_e4m3fn, per-head scales)
     tp_reduce_dtype: str = "float32"  # float32 | model: dtype of the row-parallel all-reduce sums
     seed: int = 0
     tensor_parallel_size: int | None = None
@@ -91,6 +92,8 @@ class EngineConfig:
         _check(self.device in ("auto", "cuda", "cpu"), f"device must be one of auto|cuda|cpu, got {self.device!r}")
         _check(self.dtype in ("auto", "bfloat16", "float16", "float32"),
                f"dtype must be one of auto|bfloat16|float16|float32, got {self.dtype!r}")
+        _check(self.kv_cache_dtype in ("auto", "fp8"),
+               f"kv_cache_dtype must be one of auto|fp8, got {self.kv_cache_dtype!r}")
         _check(self.tp_reduce_dtype in ("float32", "model"),
                f"tp_reduce_dtype must be one of float32|model, got {self.tp_reduce_dtype!r}")
         _check(self.model.load_format in ("auto", "dummy"),

@@ -157,7 +157,7 @@ class LLM:
 
         settings = RunnerSettings(cfg.block_size, self.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                   cfg.enforce_eager, cfg.gpu_memory_utilization, cfg.cpu_kv_cache_gib,
-                                  cfg.num_kv_blocks)
+                                  cfg.num_kv_blocks, cfg.kv_cache_dtype)
         self.runner = ModelRunner(self.model, self.shape, settings, self.device, self.dtype, ranks.world_size)
         self.kv_capacity = KVCapacity(self.runner.num_blocks, cfg.block_size, self.runner.spec.bytes_per_block)
         agreed(lambda: self._check_kv_capacity(self.kv_capacity.num_blocks))
@@ -189,7 +189,8 @@ class LLM:
     def _check_planned_kv_capacity(self) -> None:
         """A fixed num_kv_blocks or a CPU GiB budget sizes the pool without the model; CUDA measures later."""
         cfg = self.cfg
-        spec = KVCacheSpec.for_model(self.shape, self.ranks.world_size, cfg.block_size, self.dtype)
+        spec = KVCacheSpec.for_model(self.shape, self.ranks.world_size, cfg.block_size, self.dtype,
+                                     cfg.kv_cache_dtype)
         planned = planned_num_blocks(spec, cfg.num_kv_blocks, cfg.cpu_kv_cache_gib, self.device)
         if planned is not None:
             self._check_kv_capacity(planned)

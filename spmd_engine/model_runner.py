@@ -16,8 +16,8 @@ from models.model_config import ModelShape
 from spmd_engine.distributed import all_reduce_min, broadcast_tensor, is_distributed
 from spmd_engine.forward_batch import ForwardBatch, HostBatch, build_host_batch, to_device
 from spmd_engine.input_buffers import InputBuffers
-from spmd_engine.kv_cache import (CudaMemoryBudget, KVCacheSpec, allocate_kv_cache,
-                                  blocks_for_bytes, planned_num_blocks)
+from spmd_engine.kv_cache import (FP8_CALIBRATION_TOKENS, CudaMemoryBudget, KVCacheSpec, allocate_kv_cache,
+                                  bind_kv_scales, blocks_for_bytes, calibrate_fp8_kv_scales, planned_num_blocks)
 from spmd_engine.plan import BlockTableMirror, StepPlan
 
 log = logging.getLogger(__name__)
@@ -33,6 +33,7 @@ class RunnerSettings:
     gpu_memory_utilization: float
     cpu_kv_cache_gib: float
     num_kv_blocks: int | None
+    kv_cache_dtype: str = "auto"  # auto (the model dtype) | fp8 (float8_e4m3fn, calibrated per-head scales)
 
 
 @dataclass
@@ -52,14 +53,22 @@ class ModelRunner:
         self.shape = shape
         self.settings = settings
         self.device = device
-        self.spec = KVCacheSpec.for_model(shape, tp_size, settings.block_size, dtype)
+        self.spec = KVCacheSpec.for_model(shape, tp_size, settings.block_size, dtype, settings.kv_cache_dtype)
         max_blocks = -(-settings.max_model_len // settings.block_size)
         self.use_graphs = (device.type == "cuda" and not settings.enforce_eager
                            and all(layer.backend == "triton" for layer in model.attention_layers()))
         self.memory_budget: CudaMemoryBudget | None = None
         self.num_blocks = all_reduce_min(self._fit_num_blocks())
+        # [num_layers, 2 (K, V), num_kv_heads] float32 with an fp8 cache; every rank calibrates (TP collectives)
+        self.kv_scales: torch.Tensor | None = None
+        if self.spec.is_fp8:
+            calibration_tokens = min(FP8_CALIBRATION_TOKENS, settings.max_model_len, settings.max_num_batched_tokens)
+            self.kv_scales = calibrate_fp8_kv_scales(model, shape.vocab_size, calibration_tokens, device)
+            if device.type == "cuda":  # hand the calibration's activations back before the pool is carved out
+                torch.cuda.empty_cache()
         self.kv_caches = allocate_kv_cache(self.spec, self.num_blocks, device)
         model.bind_kv_cache(self.kv_caches)
+        bind_kv_scales(model, self.kv_scales)
         self.mirror = BlockTableMirror(max_blocks, settings.block_size)
         self.inputs: InputBuffers | None = None
         if device.type == "cuda":
@@ -200,6 +209,7 @@ class ModelRunner:
             self.graphs = None
         self.inputs = None
         self.model.bind_kv_cache([(None, None)] * len(self.kv_caches))
+        bind_kv_scales(self.model, None)
         self.kv_caches = []
         if self.device.type == "cuda":
             gc.collect()

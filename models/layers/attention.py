@@ -2,8 +2,10 @@
 
 The layer owns no weights; it is the one place that knows the attention backends. Heads here are
 this rank's heads. The engine binds `k_cache`/`v_cache` ([num_blocks, block_size, num_kv_heads,
-head_dim]) after allocating the KV pool; before that (memory-profiling warm-up) the layer attends
-over just the new tokens.
+head_dim]) after allocating the KV pool; before that (memory-profiling warm-up, fp8 scale
+calibration) the layer attends over just the new tokens. A float8_e4m3fn cache comes with
+`k_scale`/`v_scale` ([num_kv_heads] float32): K/V are stored as x / scale and read back as
+fp8 * scale by every backend.
 """
 from __future__ import annotations
 
@@ -31,6 +33,10 @@ class Attention(nn.Module):
         self.backend = backend
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.k_scale: torch.Tensor | None = None  # [num_kv_heads] float32, with a float8 cache only
+        self.v_scale: torch.Tensor | None = None
+        # [2, num_kv_heads] float32 while calibrating fp8 scales: the running max |K|, |V| per head
+        self.kv_absmax: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
         num_tokens = q.shape[0]
@@ -38,6 +44,9 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.k_cache is None:
+            if self.kv_absmax is not None and num_tokens:
+                seen = torch.stack([k.abs().amax(dim=(0, 2)), v.abs().amax(dim=(0, 2))]).float()
+                torch.maximum(self.kv_absmax, seen, out=self.kv_absmax)
             out = self._attend_new_tokens_only(q, k, v, attn)
         elif self.backend == "torch":
             out = self._torch_paged(q, k, v, attn)
@@ -46,23 +55,24 @@ class Attention(nn.Module):
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 
     def _torch_paged(self, q, k, v, attn: AttentionMetadata) -> torch.Tensor:
-        store_kv_reference(k, v, self.k_cache, self.v_cache, attn.slot_mapping)
+        store_kv_reference(k, v, self.k_cache, self.v_cache, attn.slot_mapping, self.k_scale, self.v_scale)
         return paged_attention_reference(q, self.k_cache, self.v_cache, attn.cu_seqlens_q, attn.seq_lens,
-                                         attn.block_tables, self.scale)
+                                         attn.block_tables, self.scale, self.k_scale, self.v_scale)
 
     def _triton_paged(self, q, k, v, attn: AttentionMetadata) -> torch.Tensor:
         from kernels.kv_store import store_kv
 
-        store_kv(k, v, self.k_cache, self.v_cache, attn.slot_mapping)
+        store_kv(k, v, self.k_cache, self.v_cache, attn.slot_mapping, self.k_scale, self.v_scale)
         if attn.is_decode:
             from kernels.decode_attention import paged_decode_attention
 
             return paged_decode_attention(q, self.k_cache, self.v_cache, attn.seq_lens, attn.block_tables,
-                                          self.scale)
+                                          self.scale, k_scale=self.k_scale, v_scale=self.v_scale)
         from kernels.prefill_attention import paged_prefill_attention
 
         return paged_prefill_attention(q, self.k_cache, self.v_cache, attn.cu_seqlens_q, attn.seq_lens,
-                                       attn.block_tables, self.scale, attn.max_query_len)
+                                       attn.block_tables, self.scale, attn.max_query_len,
+                                       k_scale=self.k_scale, v_scale=self.v_scale)
 
     def _attend_new_tokens_only(self, q, k, v, attn: AttentionMetadata) -> torch.Tensor:
         """Causal attention of each sequence over its own new tokens (no cache bound yet)."""

@@ -33,6 +33,30 @@ class PagedBatch:
     block_tables: torch.Tensor  # [B, M] int32, tail filled with other valid block ids
     max_query_len: int
     scale: float
+    k_scale: torch.Tensor | None = None  # [Hkv] float32 with a float8_e4m3fn cache
+    v_scale: torch.Tensor | None = None
+
+    def reference(self) -> torch.Tensor:
+        from kernels.reference import paged_attention_reference
+
+        return paged_attention_reference(
+            self.query, self.k_cache, self.v_cache, self.cu_seqlens_q, self.seq_lens, self.block_tables,
+            self.scale, self.k_scale, self.v_scale,
+        )
+
+
+def fp8_kv(values: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """values [N, bs, Hkv, D] -> (float8_e4m3fn cache, [Hkv] scales): each head gets its own scale
+    (non-powers of two too) and its values span that scale's whole fp8 range, subnormals included."""
+    from kernels.kv_quant import FP8_DTYPE, FP8_MAX
+
+    heads = values.shape[2]
+    scale = torch.exp2(torch.randint(-6, 4, (heads,), generator=gen).float()) * torch.tensor(
+        [1.0, 0.75, 1.3, 1.0] * heads)[:heads]
+    # a wide spread of magnitudes per element: 2**-12 .. 2**8 times the scale
+    spread = torch.exp2(torch.empty(values.shape).uniform_(-12, 8, generator=gen))
+    stored = (values.float().sign() * spread).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return stored, scale
 
 
 def make_paged_batch(
@@ -44,6 +68,7 @@ def make_paged_batch(
     head_dim: int,
     dtype: torch.dtype,
     seed: int = 0,
+    kv_fp8: bool = False,
 ) -> PagedBatch:
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = [(s + block_size - 1) // block_size for s in seq_lens]
@@ -52,6 +77,12 @@ def make_paged_batch(
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=gen).to(dtype)
     v_cache = torch.randn(shape, generator=gen).to(dtype)
+    k_scale = v_scale = None
+    if kv_fp8:
+        k_cache, k_scale = fp8_kv(k_cache, gen)
+        v_cache, v_scale = fp8_kv(v_cache, gen)
+        # keep softmax logits O(1): dequantized keys at most ~4 (fp8 values up to 2**8)
+        k_scale = k_scale / (64 * k_scale.max())
     order = torch.randperm(num_blocks, generator=gen)
     tables = torch.randint(0, num_blocks, (len(seq_lens), max_blocks), generator=gen)
     used = 0
@@ -70,4 +101,6 @@ def make_paged_batch(
         block_tables=tables.to(torch.int32).to(DEVICE),
         max_query_len=max(query_lens),
         scale=head_dim**-0.5,
+        k_scale=None if k_scale is None else k_scale.to(DEVICE),
+        v_scale=None if v_scale is None else v_scale.to(DEVICE),
     )

@@ -108,3 +108,43 @@ def test_cuda_graph_replay_follows_new_seq_lens():
         torch.cuda.synchronize()
         batch.seq_lens = seq_lens
         assert rel_error(out, _reference(batch)) < 1e-2
+
+
+# (seq_lens, block_size, Hq, Hkv, head_dim, dtype, num_splits, max rel error) with a float8_e4m3fn cache
+FP8_CASES = [
+    pytest.param([1, 16, 17, 40], 16, 4, 4, 32, torch.float32, None, 1e-5, id="bs16-gqa1-fp32-single"),
+    pytest.param([70, 3, 129], 64, 4, 2, 16, torch.float16, 4, 2e-3, id="bs64-gqa2-fp16-split4"),
+    pytest.param([9, 33], 8, 8, 2, 16, torch.float32, 2, 1e-5, id="bs8-gqa4-fp32-split2"),
+    gpu_case([512 + 97 * i for i in range(64)], 16, 16, 8, 128, torch.bfloat16, None, 1e-2),
+    gpu_case([1, 4096, 17, 2048], 16, 32, 4, 128, torch.bfloat16, None, 1e-2),
+    gpu_case([3000, 100], 16, 8, 8, 256, torch.bfloat16, None, 1e-2),
+]
+
+
+@pytest.mark.parametrize("seq_lens,block_size,hq,hkv,head_dim,dtype,num_splits,tol", FP8_CASES)
+def test_fp8_cache_matches_reference(seq_lens, block_size, hq, hkv, head_dim, dtype, num_splits, tol):
+    """fp8 K/V upcast on load with per-KV-head scales, against the reference's dequantize-then-attend."""
+    batch = make_paged_batch([1] * len(seq_lens), seq_lens, block_size, hq, hkv, head_dim, dtype, kv_fp8=True)
+    out = paged_decode_attention(
+        batch.query, batch.k_cache, batch.v_cache, batch.seq_lens, batch.block_tables, batch.scale,
+        num_splits=num_splits, k_scale=batch.k_scale, v_scale=batch.v_scale,
+    )
+    ref = batch.reference()
+    assert rel_error(out, ref) < tol
+    # the scales matter: ignoring them (scale 1) is far off
+    ones = torch.ones_like(batch.k_scale)
+    unscaled = paged_decode_attention(
+        batch.query, batch.k_cache, batch.v_cache, batch.seq_lens, batch.block_tables, batch.scale,
+        num_splits=num_splits, k_scale=ones, v_scale=ones,
+    )
+    assert rel_error(unscaled, ref) > 0.1
+
+
+def test_fp8_cache_needs_its_scales():
+    batch = make_paged_batch([1], [5], 16, 2, 2, 16, torch.float32, kv_fp8=True)
+    with pytest.raises(ValueError, match="needs k_scale"):
+        paged_decode_attention(batch.query, batch.k_cache, batch.v_cache, batch.seq_lens, batch.block_tables,
+                               batch.scale)
+    with pytest.raises(ValueError, match=r"v_scale must be a contiguous \[2\] float32"):
+        paged_decode_attention(batch.query, batch.k_cache, batch.v_cache, batch.seq_lens, batch.block_tables,
+                               batch.scale, k_scale=batch.k_scale, v_scale=batch.v_scale.double())

@@ -51,3 +51,68 @@ def test_shape_mismatch_is_a_clear_error():
     key = torch.zeros(3, 4, 16, device=DEVICE)
     with pytest.raises(ValueError, match="heads/head_dim"):
         store_kv(key, key, cache, cache, torch.zeros(3, dtype=torch.int64, device=DEVICE))
+
+
+def _edge_values() -> torch.Tensor:
+    """Every finite e4m3fn value, the midpoints between neighbours (ties to even) and just either side
+    of them, subnormals, +-0 and values past the +-448 saturation point."""
+    from kernels.kv_quant import FP8_DTYPE
+
+    exact = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()
+    exact = exact[exact.isfinite()].unique().sort().values
+    mids = (exact[1:] + exact[:-1]) / 2
+    return torch.cat([exact, mids, mids * (1 + 1e-6), mids * (1 - 1e-6),
+                      torch.tensor([-0.0, 0.0, 449.0, -460.0, 1e4, -1e30, 1e-30])])
+
+
+# (num_tokens, block_size, Hkv, head_dim, input dtype, scales)
+FP8_CASES = [
+    pytest.param(None, 16, 2, 16, torch.float32, (1.0, 0.25), id="edges-fp32-pow2"),
+    pytest.param(None, 4, 2, 16, torch.float32, (0.3, 3.0), id="edges-fp32-non-pow2"),
+    pytest.param(37, 8, 4, 32, torch.float16, (2.0**-5, 1.0, 4.0, 2.0**-9), id="randn-fp16"),
+    gpu_case(4096, 16, 8, 128, torch.bfloat16, tuple(2.0 ** -i for i in range(8))),
+]
+
+
+@pytest.mark.parametrize("tokens,block_size,heads,head_dim,dtype,scales", FP8_CASES)
+def test_fp8_store_writes_the_reference_bytes(tokens, block_size, heads, head_dim, dtype, scales):
+    """Quantized in the kernel (x / scale, saturated, round to nearest even): byte for byte the reference."""
+    from kernels.kv_quant import FP8_DTYPE
+
+    gen = torch.Generator().manual_seed(1)
+    if tokens is None:  # every edge value, in every head (one scale per head)
+        values = _edge_values()
+        values = values[torch.randperm(values.numel(), generator=gen)]
+        per_token = heads * head_dim
+        tokens = -(-values.numel() // per_token)
+        values = torch.cat([values, torch.zeros(tokens * per_token - values.numel())])
+        key = values.view(tokens, heads, head_dim)
+    else:
+        key = torch.randn(tokens, heads, head_dim, generator=gen) * 30
+    value = key.flip(0) * 0.01
+    key, value = key.to(dtype).to(DEVICE), value.to(dtype).to(DEVICE)
+    k_scale = torch.tensor(scales, dtype=torch.float32, device=DEVICE)
+    v_scale = k_scale.flip(0).contiguous()
+    blocks = -(-tokens // block_size) + 1
+    slots = torch.randperm(blocks * block_size, generator=gen)[:tokens]
+    slots[torch.rand(tokens, generator=gen) < 0.1] = -1
+    slots = slots.to(DEVICE)
+    k_cache = torch.zeros(blocks, block_size, heads, head_dim, dtype=FP8_DTYPE, device=DEVICE)
+    v_cache, k_ref, v_ref = k_cache.clone(), k_cache.clone(), k_cache.clone()
+
+    store_kv(key, value, k_cache, v_cache, slots, k_scale, v_scale)
+    store_kv_reference(key, value, k_ref, v_ref, slots, k_scale, v_scale)
+    assert torch.equal(k_cache.view(torch.uint8), k_ref.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
+    assert k_cache.float().isfinite().all()  # saturated, never NaN
+    written = k_ref[slots[slots >= 0] // block_size, slots[slots >= 0] % block_size].float()
+    assert written.abs().max() == 448.0  # every case has values past the range: saturated, not NaN
+
+
+def test_fp8_store_needs_scales():
+    from kernels.kv_quant import FP8_DTYPE
+
+    cache = torch.zeros(2, 16, 2, 16, dtype=FP8_DTYPE, device=DEVICE)
+    key = torch.zeros(3, 2, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="needs k_scale"):
+        store_kv(key, key, cache, cache.clone(), torch.zeros(3, dtype=torch.int64, device=DEVICE))

@@ -87,3 +87,40 @@ def test_supports_and_clear_errors():
     cache = torch.zeros(4, 16, 2, 16, device=DEVICE)
     with pytest.raises(ValueError, match="multiple of KV heads"):
         paged_prefill_attention(q, cache, cache, cu, lens, table, 1.0, 2)
+
+
+# (query_lens, seq_lens, block_size, Hq, Hkv, head_dim, dtype, max rel error) with a float8_e4m3fn cache
+FP8_CASES = [
+    pytest.param([5, 17, 1], [5, 40, 33], 16, 4, 4, 32, torch.float32, 1e-5, id="bs16-gqa1-fp32"),
+    pytest.param([20, 3], [70, 3], 64, 4, 2, 16, torch.float16, 2e-3, id="bs64-gqa2-fp16"),
+    pytest.param([6, 11], [6, 30], 4, 8, 2, 16, torch.float32, 1e-5, id="bs4-gqa4-fp32"),
+    gpu_case([1024] * 16, [1024] * 16, 16, 16, 8, 128, torch.bfloat16, 1e-2),
+    gpu_case([300, 7, 1, 512], [300, 2000, 3000, 513], 16, 8, 1, 64, torch.bfloat16, 1e-2),
+    gpu_case([200, 33], [1000, 33], 32, 8, 2, 256, torch.bfloat16, 1e-2),
+]
+
+
+@pytest.mark.parametrize("query_lens,seq_lens,block_size,hq,hkv,head_dim,dtype,tol", FP8_CASES)
+def test_fp8_cache_matches_reference(query_lens, seq_lens, block_size, hq, hkv, head_dim, dtype, tol):
+    """fp8 K/V upcast on load with per-KV-head scales, against the reference's dequantize-then-attend."""
+    batch = make_paged_batch(query_lens, seq_lens, block_size, hq, hkv, head_dim, dtype, kv_fp8=True)
+    out = paged_prefill_attention(
+        batch.query, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_tables,
+        batch.scale, batch.max_query_len, k_scale=batch.k_scale, v_scale=batch.v_scale,
+    )
+    ref = batch.reference()
+    assert rel_error(out, ref) < tol
+    ones = torch.ones_like(batch.k_scale)  # the scales matter: ignoring them is far off
+    unscaled = paged_prefill_attention(
+        batch.query, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens, batch.block_tables,
+        batch.scale, batch.max_query_len, k_scale=ones, v_scale=ones,
+    )
+    assert rel_error(unscaled, ref) > 0.1
+
+
+def test_scales_on_a_plain_cache_are_refused():
+    batch = make_paged_batch([3], [3], 16, 2, 2, 16, torch.float32)
+    scale = torch.ones(2, device=DEVICE)
+    with pytest.raises(ValueError, match="only for a float8_e4m3fn cache"):
+        paged_prefill_attention(batch.query, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens,
+                                batch.block_tables, batch.scale, batch.max_query_len, k_scale=scale, v_scale=scale)
