@@ -162,3 +162,150 @@ def gumbel_race(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.T
         num_warps=4)
     # the first chunk holding the row's maximum (torch.argmax takes the first): the lowest column
     return cols.gather(1, scores.argmax(dim=1, keepdim=True)).squeeze(1)
+
+
+@triton.jit
+def _float_key(z):
+    """An int32 whose order is the order of the float32 values (-0.0 taken as +0.0)."""
+    bits = tl.where(z == 0.0, 0.0, z).to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+@triton.jit
+def _nucleus_kernel(logits, temps, top_ps, seeds, counters, out, vocab, stride_row,
+                    ROUNDS: tl.constexpr, BLOCK: tl.constexpr, MUL1: tl.constexpr, MUL2: tl.constexpr,
+                    A0: tl.constexpr, B0: tl.constexpr, CMUL: tl.constexpr):
+    """One program per row: exact top-p draw by rejection, with the row's own round-r noise, and
+    after ROUNDS rejections the exact nucleus cut by bisection (round ROUNDS noise). Every decision
+    is taken inside the program, so the host never waits and a row never sees another row."""
+    row = tl.program_id(0).to(tl.int64)
+    base = logits + row * stride_row
+    seed = tl.load(seeds + row).to(tl.int64)
+    counter = tl.load(counters + row).to(tl.int64)
+    temp = tl.load(temps + row)
+    top_p = tl.load(top_ps + row)
+    lanes = tl.arange(0, BLOCK)
+    # scan 1: the row's maximum and the round-0 race (the race needs no normalisation)
+    a, b = _row_keys(seed, counter, tl.full((), 0, tl.uint32), MUL1, MUL2, A0, B0)
+    top = tl.full((), float("-inf"), tl.float32)
+    best = tl.full((), float("-inf"), tl.float32)
+    cand = tl.full((), 0, tl.int64)
+    for start in range(0, vocab, BLOCK):
+        cols = start + lanes
+        mask = cols < vocab
+        z = tl.div_rn(tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32), temp)
+        z = tl.where(mask, z, float("-inf"))
+        top = tl.maximum(top, tl.max(z, axis=0))
+        score = tl.where(mask, z + _gumbel_from_hash(_column_hash(a, b, cols, MUL1, MUL2, CMUL)), float("-inf"))
+        block_best = tl.max(score, axis=0)
+        block_col = tl.min(tl.where(score == block_best, cols, vocab), axis=0).to(tl.int64)
+        better = block_best > best
+        cand = tl.where(better, block_col, cand)
+        best = tl.where(better, block_best, best)
+    cand_key = _float_key(tl.div_rn(tl.load(base + cand).to(tl.float32), temp))
+    # scan 2: the row's softmax denominator and the mass of tokens likelier than the candidate
+    total = tl.full((), 0.0, tl.float32)
+    likelier = tl.full((), 0.0, tl.float32)
+    for start in range(0, vocab, BLOCK):
+        cols = start + lanes
+        mask = cols < vocab
+        z = tl.div_rn(tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32), temp)
+        e = tl.where(mask, tl.exp(z - top), 0.0)
+        total += tl.sum(e, axis=0)
+        likelier += tl.sum(tl.where(_float_key(z) > cand_key, e, 0.0), axis=0)
+    bound = top_p * total  # token i is in the nucleus iff the mass likelier than it is < bound
+    done = (likelier < bound).to(tl.int32)
+    drawn = cand
+    cut = cand_key  # tokens with keys <= cut are known to be outside the nucleus
+    for rnd in range(1, ROUNDS):
+        if done == 0:
+            a, b = _row_keys(seed, counter, (tl.zeros((), tl.int32) + rnd).to(tl.uint32), MUL1, MUL2, A0, B0)
+            best = tl.full((), float("-inf"), tl.float32)
+            cand = tl.full((), 0, tl.int64)
+            for start in range(0, vocab, BLOCK):
+                cols = start + lanes
+                mask = cols < vocab
+                z = tl.div_rn(tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32), temp)
+                score = z + _gumbel_from_hash(_column_hash(a, b, cols, MUL1, MUL2, CMUL))
+                score = tl.where(mask & (_float_key(z) > cut), score, float("-inf"))
+                block_best = tl.max(score, axis=0)
+                block_col = tl.min(tl.where(score == block_best, cols, vocab), axis=0).to(tl.int64)
+                better = block_best > best
+                cand = tl.where(better, block_col, cand)
+                best = tl.where(better, block_best, best)
+            cand_key = _float_key(tl.div_rn(tl.load(base + cand).to(tl.float32), temp))
+            likelier = tl.full((), 0.0, tl.float32)
+            for start in range(0, vocab, BLOCK):
+                cols = start + lanes
+                mask = cols < vocab
+                z = tl.div_rn(tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32), temp)
+                e = tl.where(mask & (_float_key(z) > cand_key), tl.exp(z - top), 0.0)
+                likelier += tl.sum(e, axis=0)
+            done = (likelier < bound).to(tl.int32)
+            drawn = cand
+            cut = cand_key
+    if done == 0:
+        # the exact cut: the smallest key t with mass(keys > t) < bound. It is a token's key (the mass
+        # above t only grows at tokens' keys), and the nucleus is every key >= t. Bisection between
+        # the last rejected candidate's key (mass above it >= bound) and the maximum's (mass above 0):
+        # at most 32 halvings, each a scan of the row, skipped once the bracket is closed.
+        lo = cut.to(tl.int64)
+        hi = _float_key(top).to(tl.int64)
+        for _ in range(32):
+            mid = lo + (hi - lo) // 2
+            if hi - lo > 1:
+                mass = tl.full((), 0.0, tl.float32)
+                for start in range(0, vocab, BLOCK):
+                    cols = start + lanes
+                    mask = cols < vocab
+                    z = tl.div_rn(tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32), temp)
+                    e = tl.where(mask & (_float_key(z).to(tl.int64) > mid), tl.exp(z - top), 0.0)
+                    mass += tl.sum(e, axis=0)
+                if mass < bound:
+                    hi = mid
+                else:
+                    lo = mid
+        a, b = _row_keys(seed, counter, tl.full((), ROUNDS, tl.uint32), MUL1, MUL2, A0, B0)
+        best = tl.full((), float("-inf"), tl.float32)
+        cand = tl.full((), 0, tl.int64)
+        for start in range(0, vocab, BLOCK):
+            cols = start + lanes
+            mask = cols < vocab
+            z = tl.div_rn(tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32), temp)
+            score = z + _gumbel_from_hash(_column_hash(a, b, cols, MUL1, MUL2, CMUL))
+            score = tl.where(mask & (_float_key(z).to(tl.int64) >= hi), score, float("-inf"))
+            block_best = tl.max(score, axis=0)
+            block_col = tl.min(tl.where(score == block_best, cols, vocab), axis=0).to(tl.int64)
+            better = block_best > best
+            cand = tl.where(better, block_col, cand)
+            best = tl.where(better, block_best, best)
+        drawn = cand
+    tl.store(out + row, drawn)
+
+
+NUCLEUS_BLOCK = 2048  # columns per iteration of the nucleus kernel's scans (one program per row)
+
+
+def nucleus_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tensor, seeds: torch.Tensor,
+                   counters: torch.Tensor, rounds: int) -> torch.Tensor:
+    """Exact top-p draws (top_p in (0, 1)) without a host sync or a sort: `rounds` rejection rounds
+    (round r: the row's (seed, counter, r) noise), then the exact nucleus by bisection and round
+    `rounds` noise. The same algorithm as the sampler's torch path (`spmd_engine.sampler._sample_nucleus`),
+    token for token up to summation rounding at the nucleus boundary. logits [N, V] (last dim
+    contiguous), temperatures / top_ps [N] float32, seeds / counters [N] int64 -> [N] int64."""
+    if logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(f"nucleus_sample: logits must be [N, V] with a contiguous last dim, got {tuple(logits.shape)}")
+    rows, vocab = logits.shape
+    for name, t in (("temperatures", temperatures), ("top_ps", top_ps), ("seeds", seeds), ("counters", counters)):
+        if t.shape != (rows,):
+            raise ValueError(f"nucleus_sample: {name} must be [{rows}], got {tuple(t.shape)}")
+    if not 1 <= rounds < 2**31:
+        raise ValueError(f"nucleus_sample: rounds must be in [1, 2**31), got {rounds}")
+    out = torch.zeros(rows, device=logits.device, dtype=torch.int64)
+    if rows and vocab:
+        _nucleus_kernel[(rows,)](
+            logits, temperatures.float().contiguous(), top_ps.float().contiguous(), seeds.long().contiguous(),
+            counters.long().contiguous(), out, vocab, logits.stride(0),
+            ROUNDS=rounds, BLOCK=NUCLEUS_BLOCK, MUL1=HASH_MUL1, MUL2=HASH_MUL2, A0=LANE_A, B0=LANE_B,
+            CMUL=COLUMN_MUL, num_warps=8)
+    return out

@@ -23,6 +23,8 @@ from kernels.reference import gumbel_noise_reference
 MIN_TEMPERATURE = 1e-5
 NUCLEUS_ROUNDS = 6  # rejection rounds before the sort fallback (most rows finish in the first)
 SORT_ROUND = NUCLEUS_ROUNDS  # the noise round of the nucleus fallback (rounds 0.. are the rejections)
+# top-k rows with k up to this take `topk` (cheap for small k); larger k sort the vocabulary
+TOP_K_FAST_MAX = 1024
 _UINT64 = (1 << 64) - 1
 
 
@@ -88,15 +90,18 @@ class Sampler:
 
     @torch.inference_mode()
     def sample_on_device(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """logits [N, V] -> token ids [N] int64 on the logits' device. Greedy, plain and top-k rows
-        queue without waiting for the GPU; top-p rows wait (once per rejection round).
+        """logits [N, V] -> token ids [N] int64 on the logits' device, queued without waiting for the
+        GPU on every path (async scheduling keeps its overlap): the shapes and the group of each row
+        are known on the host from the rows' parameters, every data-dependent choice is made on the
+        device.
 
-        Rows are grouped by their own parameters only: top-k rows (sort), top-p rows (rejection),
-        plain temperature rows (race), greedy rows (argmax)."""
-        groups: dict[str, list[int]] = {"top_k": [], "top_p": [], "plain": []}
+        Rows are grouped by their own parameters only (`path_of`): greedy (argmax), top-k up to
+        TOP_K_FAST_MAX (topk), larger top-k (sort), top-p alone (rejection), plain temperature (race)."""
+        groups: dict[str, list[int]] = {"top_k": [], "top_k_sort": [], "top_p": [], "plain": []}
         for i, r in enumerate(rows):
-            if not r.is_greedy:
-                groups["top_k" if r.top_k > 0 else "top_p" if r.top_p < 1.0 else "plain"].append(i)
+            kind = path_of(r)
+            if kind != "greedy":
+                groups[kind].append(i)
         out: torch.Tensor | None = None
         for kind, members in groups.items():
             if not members:
@@ -118,14 +123,57 @@ class Sampler:
         if kind == "plain" and dev.type == "cuda":  # fused: the noise never leaves the registers
             from kernels.sampling_noise import gumbel_race
             return gumbel_race(logits, temps, seeds, counters)
+        if kind == "top_p" and dev.type == "cuda":  # one program per row: rejection and fallback on the GPU
+            from kernels.sampling_noise import nucleus_sample
+            top_p = _host_to([r.top_p for r in rows], torch.float32, dev)
+            return nucleus_sample(logits.contiguous(), temps, top_p, seeds, counters, NUCLEUS_ROUNDS)
         z = logits / temps[:, None]  # a true division: CUDA divides by a scalar as a multiply by the
         # reciprocal, which would round otherwise than another batch's per-row division
         if kind == "plain":
             return _race(z, seeds, counters, 0)
         if kind == "top_k":
+            return _sample_top_k(z, [r.top_k for r in rows], [r.top_p for r in rows], seeds, counters)
+        if kind == "top_k_sort":
             return _race(_apply_top_k_top_p(z, [r.top_k for r in rows], [r.top_p for r in rows]), seeds, counters, 0)
         top_p = _host_to([r.top_p for r in rows], torch.float32, dev)
         return _sample_nucleus(z, top_p, seeds, counters)
+
+
+def path_of(row: SamplingRow) -> str:
+    """The sampling path of a row, from its own parameters alone (the determinism rule)."""
+    if row.is_greedy:
+        return "greedy"
+    if row.top_k > 0:
+        return "top_k" if row.top_k <= TOP_K_FAST_MAX else "top_k_sort"
+    return "top_p" if row.top_p < 1.0 else "plain"
+
+
+def _sample_top_k(z: torch.Tensor, top_ks: list[int], top_ps: list[float], seeds: torch.Tensor,
+                  counters: torch.Tensor) -> torch.Tensor:
+    """The top-k path without a sort of the vocabulary: `topk` of the group's largest k (at most
+    TOP_K_FAST_MAX), each row masking the ranks past its own k, top-p within the renormalised top-k,
+    and the race over the candidates with the round-0 noise of their original columns.
+
+    The same token as `_race(_apply_top_k_top_p(z, ...), seeds, counters, 0)` (the sort path): the
+    candidates carry the same float32 scores z + noise, ties go to the lowest column as argmax's do,
+    and the nucleus uses the same rule (mass of strictly better candidates < top_p); only a tie in
+    z at a row's k-th rank may keep another of the tied tokens. The nucleus masses are summed in
+    float64 from the row's maximum, so the width of the group's topk (its largest k) cannot move a
+    row's cut beyond float64 rounding."""
+    vocab = z.shape[-1]
+    width = min(max(top_ks), vocab)
+    values, cols = z.topk(width, dim=-1)  # sorted, descending
+    k = _host_to([min(kk, width) for kk in top_ks], torch.int64, z.device)
+    keep = torch.arange(width, device=z.device)[None, :] < k[:, None]
+    weights = (values.double() - values[:, :1].double()).exp().masked_fill(~keep, 0.0)
+    cumulative = weights.cumsum(dim=-1)
+    total = cumulative.gather(1, k[:, None] - 1)
+    # top_p 1 masks nothing (a sum rounding past 1 must not cut the tail)
+    p = _host_to([pp if pp < 1.0 else float("inf") for pp in top_ps], torch.float64, z.device)
+    keep &= (cumulative - weights) < p[:, None] * total
+    scores = (values + gumbel_noise(seeds, counters, 0, vocab).gather(1, cols)).masked_fill(~keep, float("-inf"))
+    best = scores.max(dim=-1, keepdim=True).values
+    return torch.where(scores == best, cols, vocab).min(dim=-1).values
 
 
 def _race(z: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor, round_: int) -> torch.Tensor:
