@@ -97,6 +97,43 @@ def _launch(seeds: torch.Tensor, counters: torch.Tensor, round_: int, vocab: int
     return out
 
 
+@triton.jit
+def _noise_at_kernel(seeds, counters, cols, out, rnd, width,
+                     BLOCK: tl.constexpr, MUL1: tl.constexpr, MUL2: tl.constexpr, A0: tl.constexpr,
+                     B0: tl.constexpr, CMUL: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < width
+    seed = tl.load(seeds + row).to(tl.int64)
+    counter = tl.load(counters + row).to(tl.int64)
+    rnd = (tl.zeros((), tl.int32) + rnd).to(tl.uint32)
+    a, b = _row_keys(seed, counter, rnd, MUL1, MUL2, A0, B0)
+    c = tl.load(cols + row * width + offs, mask=mask, other=0)
+    tl.store(out + row * width + offs, _gumbel_from_hash(_column_hash(a, b, c, MUL1, MUL2, CMUL)), mask=mask)
+
+
+NOISE_AT_BLOCK = 256
+
+
+def gumbel_noise_at(seeds: torch.Tensor, counters: torch.Tensor, round_: int, cols: torch.Tensor) -> torch.Tensor:
+    """The Gumbel noise of row i at its columns cols[i] only: cols [N, C] int64 -> [N, C] float32, equal
+    to `gumbel_noise(seeds, counters, round_, vocab).gather(1, cols)` (the same code per element)
+    without making the [N, vocab] noise (the top-k path needs a few columns per row)."""
+    if cols.dim() != 2 or seeds.shape != (cols.shape[0],) or counters.shape != seeds.shape:
+        raise ValueError(f"gumbel_noise_at: cols must be [N, C] with seeds and counters [N], got "
+                         f"{tuple(cols.shape)}, {tuple(seeds.shape)} and {tuple(counters.shape)}")
+    if not 0 <= round_ < 2**31:
+        raise ValueError(f"gumbel_noise_at: round must be in [0, 2**31), got {round_}")
+    rows, width = cols.shape
+    out = torch.empty(rows, width, device=cols.device, dtype=torch.float32)
+    if rows and width:
+        _noise_at_kernel[(rows, triton.cdiv(width, NOISE_AT_BLOCK))](
+            seeds.long().contiguous(), counters.long().contiguous(), cols.long().contiguous(), out, round_, width,
+            BLOCK=NOISE_AT_BLOCK, MUL1=HASH_MUL1, MUL2=HASH_MUL2, A0=LANE_A, B0=LANE_B, CMUL=COLUMN_MUL,
+            num_warps=4)
+    return out
+
+
 def sampling_hash(seeds: torch.Tensor, counters: torch.Tensor, round_: int, vocab: int) -> torch.Tensor:
     """The raw 32-bit hashes, [N, vocab] int64 in [0, 2**32) (what the tests compare bit for bit)."""
     return _launch(seeds, counters, round_, vocab, MODE_BITS)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.reference import gumbel_noise_reference
+from kernels.reference import gumbel_noise_at_reference, gumbel_noise_reference
 
 # below this, logits / temperature overflow float32: such rows are greedy (their limit anyway)
 MIN_TEMPERATURE = 1e-5
@@ -66,6 +66,14 @@ def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, round_: int, vocab
         from kernels.sampling_noise import gumbel_noise as triton_gumbel_noise
         return triton_gumbel_noise(seeds, counters, round_, vocab)
     return gumbel_noise_reference(seeds, counters, round_, vocab)
+
+
+def gumbel_noise_at(seeds: torch.Tensor, counters: torch.Tensor, round_: int, cols: torch.Tensor) -> torch.Tensor:
+    """`gumbel_noise(seeds, counters, round_, vocab).gather(1, cols)` without the [N, vocab] noise."""
+    if seeds.device.type == "cuda":
+        from kernels.sampling_noise import gumbel_noise_at as triton_gumbel_noise_at
+        return triton_gumbel_noise_at(seeds, counters, round_, cols)
+    return gumbel_noise_at_reference(seeds, counters, round_, cols)
 
 
 def _host_to(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -171,7 +179,7 @@ def _sample_top_k(z: torch.Tensor, top_ks: list[int], top_ps: list[float], seeds
     # top_p 1 masks nothing (a sum rounding past 1 must not cut the tail)
     p = _host_to([pp if pp < 1.0 else float("inf") for pp in top_ps], torch.float64, z.device)
     keep &= (cumulative - weights) < p[:, None] * total
-    scores = (values + gumbel_noise(seeds, counters, 0, vocab).gather(1, cols)).masked_fill(~keep, float("-inf"))
+    scores = (values + gumbel_noise_at(seeds, counters, 0, cols)).masked_fill(~keep, float("-inf"))
     best = scores.max(dim=-1, keepdim=True).values
     return torch.where(scores == best, cols, vocab).min(dim=-1).values
 

@@ -4,8 +4,9 @@ rounding; and the hash's streams for other seeds, counters and rounds are unrela
 import pytest
 import torch
 
-from kernels.reference import gumbel_noise_reference, sampling_hash_reference
-from kernels.sampling_noise import BLOCK, NUCLEUS_BLOCK, gumbel_noise, gumbel_race, nucleus_sample, sampling_hash
+from kernels.reference import gumbel_noise_at_reference, gumbel_noise_reference, sampling_hash_reference
+from kernels.sampling_noise import (BLOCK, NOISE_AT_BLOCK, NUCLEUS_BLOCK, gumbel_noise, gumbel_noise_at, gumbel_race,
+                                   nucleus_sample, sampling_hash)
 from tests.kernels.paged_batch import DEVICE, gpu_case
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::RuntimeWarning")  # interpreter
@@ -92,6 +93,23 @@ def test_fused_race_spans_blocks_and_skips_minus_inf():
     got = gumbel_race(logits, temps, keys, keys).tolist()
     assert got[0] in (3, BLOCK + 4) and got[1] == 5
     assert got == (logits + gumbel_noise(keys, keys, 0, logits.shape[1])).argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("width,vocab", [(7, 50), (NOISE_AT_BLOCK + 3, 5000), gpu_case(1024, 151_936)])
+def test_noise_at_columns_equals_the_gathered_noise(width, vocab):
+    """The top-k path's noise at a few columns per row is the full noise at those columns, bit for bit
+    (the same per-element code), and the reference agrees."""
+    seeds = torch.tensor(SEEDS, dtype=torch.int64, device=DEVICE)
+    counters = torch.tensor(COUNTERS, dtype=torch.int64, device=DEVICE)
+    gen = torch.Generator().manual_seed(width)
+    cols = torch.stack([torch.randperm(vocab, generator=gen)[:width] for _ in SEEDS]).to(DEVICE)
+    at = gumbel_noise_at(seeds, counters, 3, cols)
+    assert torch.equal(at, gumbel_noise(seeds, counters, 3, vocab).gather(1, cols))
+    ref = gumbel_noise_at_reference(seeds, counters, 3, cols)
+    assert torch.equal(ref, gumbel_noise_reference(seeds, counters, 3, vocab).gather(1, cols))
+    torch.testing.assert_close(at, ref, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="cols must be"):
+        gumbel_noise_at(seeds[:2], counters[:2], 0, cols)
 
 
 # --- the nucleus kernel: rejection rounds and the bisection fallback on the device ----------------
