@@ -5,6 +5,10 @@ request's draws depend on nothing but its own seed and token index, whatever els
 it. Bit-identical to `reference.sampling_hash_reference` (uint32 arithmetic in both, numpy's
 there); the float conversion is the same formula (`reference.gumbel_from_hash_reference`), equal
 up to the device's log rounding.
+
+Kernels: the noise of whole rows (`gumbel_noise`) or of given columns (`gumbel_noise_at`, the top-k
+candidates), the fused plain draw (`gumbel_race`), and the whole top-p draw of a row with its
+rejection rounds and exact fallback (`nucleus_sample`), so the sampler never waits for the GPU.
 """
 from __future__ import annotations
 
@@ -329,7 +333,14 @@ def nucleus_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ps: tor
     (round r: the row's (seed, counter, r) noise), then the exact nucleus by bisection and round
     `rounds` noise. The same algorithm as the sampler's torch path (`spmd_engine.sampler._sample_nucleus`),
     token for token up to summation rounding at the nucleus boundary. logits [N, V] (last dim
-    contiguous), temperatures / top_ps [N] float32, seeds / counters [N] int64 -> [N] int64."""
+    contiguous), temperatures / top_ps [N] float32, seeds / counters [N] int64 -> [N] int64.
+
+    Cost: a row accepted in round 0 reads its logits twice (race with the row maximum, then the
+    softmax sum with the mass likelier than the candidate). Each round rejects with probability
+    <= 1 - top_p (the allowed set always holds the nucleus, of mass >= top_p), so a row reaches
+    the bisection (up to 32 more reads) with probability <= (1 - top_p) ** rounds: 1.6e-8 at
+    top_p 0.95 and 6 rounds, 1.6 % at top_p 0.5. One program per row: whatever one row needs, the
+    others neither wait for the host nor see it."""
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"nucleus_sample: logits must be [N, V] with a contiguous last dim, got {tuple(logits.shape)}")
     rows, vocab = logits.shape

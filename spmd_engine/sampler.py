@@ -6,9 +6,15 @@ identical without having to keep random generators in step across ranks.
 Determinism rule: a row's token is a function of its own logits, its own parameters, its seed and
 its counter (the index of the token within the request's output) only. The noise is a counter-based
 hash (kernels/sampling_noise.py, kernels/reference.py), not generator state, and the path a row
-takes (greedy, top-k sort, top-p rejection, plain race) depends on its own parameters alone, so
-neither its neighbours in the batch nor how steps were batched, preempted or planned ahead can
-change its draws.
+takes (`path_of`: greedy, top-k by topk, larger top-k by sort, top-p rejection, plain race) depends
+on its own parameters alone, so neither its neighbours in the batch nor how steps were batched,
+preempted or planned ahead can change its draws.
+
+No path waits for the GPU (async scheduling overlaps the next step's planning with this one): the
+shapes come from the rows' parameters on the host, and every data-dependent decision (a top-p
+row's rejections and its fallback) is taken on the device, in one Triton program per row on CUDA
+(`kernels.sampling_noise.nucleus_sample`). The torch top-p path below (`_sample_nucleus`) is the
+CPU path and the kernel's reference: the same rounds, noise and cut, token for token.
 """
 from __future__ import annotations
 
@@ -21,7 +27,7 @@ from kernels.reference import gumbel_noise_at_reference, gumbel_noise_reference
 
 # below this, logits / temperature overflow float32: such rows are greedy (their limit anyway)
 MIN_TEMPERATURE = 1e-5
-NUCLEUS_ROUNDS = 6  # rejection rounds before the sort fallback (most rows finish in the first)
+NUCLEUS_ROUNDS = 6  # rejection rounds before the exact fallback (most rows finish in the first)
 SORT_ROUND = NUCLEUS_ROUNDS  # the noise round of the nucleus fallback (rounds 0.. are the rejections)
 # top-k rows with k up to this take `topk` (cheap for small k); larger k sort the vocabulary
 TOP_K_FAST_MAX = 1024
@@ -200,7 +206,15 @@ def _sample_nucleus(z: torch.Tensor, top_p: torch.Tensor, seeds: torch.Tensor, c
     are excluded and the row draws again. An accepted draw is distributed as p restricted to the
     nucleus, exactly as with the sort. Round r uses the row's own (seed, counter, r) noise, so
     whether and when a row is accepted depends on that row alone. Rows still unresolved after a
-    few rounds use the sort (with their own round-NUCLEUS_ROUNDS noise).
+    few rounds use the exact nucleus (here a sort; the CUDA kernel bisects for the same cut) with
+    their own round-NUCLEUS_ROUNDS noise.
+
+    Exactness: every round draws from p restricted to a set that still holds the whole nucleus, so
+    a draw accepted in any round is distributed as p restricted to the nucleus; the cuts and the
+    number of rounds depend only on rejected draws and the round streams are independent, so the
+    mixture over "accepted in round r" and "fallback" is that distribution too. The CPU path and
+    the reference of `kernels.sampling_noise.nucleus_sample`, which runs the same rounds on the
+    device without a host sync (this one syncs per round to shrink the batch; CPU has no queue).
     """
     probs = torch.softmax(z, dim=-1)
     drawn = torch.empty(z.shape[0], dtype=torch.int64, device=z.device)
