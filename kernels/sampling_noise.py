@@ -150,11 +150,13 @@ def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, round_: int, vocab
 
 @triton.jit
 def _gumbel_race_kernel(logits, temps, seeds, counters, best_scores, best_cols, vocab, stride_row, num_chunks,
-                        CHUNK: tl.constexpr, BLOCK: tl.constexpr, MUL1: tl.constexpr, MUL2: tl.constexpr,
-                        A0: tl.constexpr, B0: tl.constexpr, CMUL: tl.constexpr):
+                        chunk_max, CHUNK: tl.constexpr, BLOCK: tl.constexpr, MUL1: tl.constexpr,
+                        MUL2: tl.constexpr, A0: tl.constexpr, B0: tl.constexpr, CMUL: tl.constexpr,
+                        WITH_MAX: tl.constexpr = False):
     """One program per (row, vocabulary chunk): the chunk's best logits / T + round-0 Gumbel noise and
     its column, the noise made in registers (no [N, V] tensor); ties go to the lowest column, as
-    torch.argmax. Chunks rather than whole rows: a row per program leaves most of the GPU idle."""
+    torch.argmax. Chunks rather than whole rows: a row per program leaves most of the GPU idle.
+    WITH_MAX: also the chunk's largest logits / T (the nucleus kernel's round 0)."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     seed = tl.load(seeds + row).to(tl.int64)
@@ -163,11 +165,15 @@ def _gumbel_race_kernel(logits, temps, seeds, counters, best_scores, best_cols, 
     a, b = _row_keys(seed, counter, tl.full((), 0, tl.uint32), MUL1, MUL2, A0, B0)
     best = tl.full((), float("-inf"), tl.float32)
     best_col = tl.full((), 0, tl.int64) + chunk * CHUNK
+    top = tl.full((), float("-inf"), tl.float32)
     for offset in range(0, CHUNK, BLOCK):
         cols = chunk * CHUNK + offset + tl.arange(0, BLOCK)
         mask = cols < vocab
         x = tl.load(logits + row * stride_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        score = tl.div_rn(x, temp) + _gumbel_from_hash(_column_hash(a, b, cols, MUL1, MUL2, CMUL))
+        z = tl.div_rn(x, temp)
+        if WITH_MAX:
+            top = tl.maximum(top, tl.max(tl.where(mask, z, float("-inf")), axis=0))
+        score = z + _gumbel_from_hash(_column_hash(a, b, cols, MUL1, MUL2, CMUL))
         score = tl.where(mask, score, float("-inf"))
         block_best = tl.max(score, axis=0)
         block_col = tl.min(tl.where(score == block_best, cols, vocab), axis=0).to(tl.int64)
@@ -176,6 +182,8 @@ def _gumbel_race_kernel(logits, temps, seeds, counters, best_scores, best_cols, 
         best = tl.where(better, block_best, best)
     tl.store(best_scores + row * num_chunks + chunk, best)
     tl.store(best_cols + row * num_chunks + chunk, best_col)
+    if WITH_MAX:
+        tl.store(chunk_max + row * num_chunks + chunk, top)
 
 
 RACE_CHUNK = 4 * BLOCK  # columns per program of the fused race
@@ -198,7 +206,7 @@ def gumbel_race(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.T
     cols = torch.empty(rows, num_chunks, device=logits.device, dtype=torch.int64)
     _gumbel_race_kernel[(rows, num_chunks)](
         logits, temperatures.float().contiguous(), seeds.long().contiguous(), counters.long().contiguous(),
-        scores, cols, vocab, logits.stride(0), num_chunks,
+        scores, cols, vocab, logits.stride(0), num_chunks, scores,
         CHUNK=RACE_CHUNK, BLOCK=BLOCK, MUL1=HASH_MUL1, MUL2=HASH_MUL2, A0=LANE_A, B0=LANE_B, CMUL=COLUMN_MUL,
         num_warps=4)
     # the first chunk holding the row's maximum (torch.argmax takes the first): the lowest column
@@ -214,9 +222,10 @@ def _float_key(z):
 
 @triton.jit
 def _nucleus_kernel(logits, temps, top_ps, seeds, counters, out, vocab, stride_row,
-                    ROUNDS: tl.constexpr, BLOCK: tl.constexpr, MUL1: tl.constexpr, MUL2: tl.constexpr,
+                    race_scores, race_cols, race_max, num_chunks, ROUNDS: tl.constexpr, BLOCK: tl.constexpr, MUL1: tl.constexpr, MUL2: tl.constexpr,
                     A0: tl.constexpr, B0: tl.constexpr, CMUL: tl.constexpr):
-    """One program per row: exact top-p draw by rejection, with the row's own round-r noise, and
+    """One program per row, after the chunked round-0 race (its per-chunk best scores, columns and
+    maxima): exact top-p draw by rejection, with the row's own round-r noise, and
     after ROUNDS rejections the exact nucleus cut by bisection (round ROUNDS noise). Every decision
     is taken inside the program, so the host never waits and a row never sees another row."""
     row = tl.program_id(0).to(tl.int64)
@@ -226,23 +235,18 @@ def _nucleus_kernel(logits, temps, top_ps, seeds, counters, out, vocab, stride_r
     temp = tl.load(temps + row)
     top_p = tl.load(top_ps + row)
     lanes = tl.arange(0, BLOCK)
-    # scan 1: the row's maximum and the round-0 race (the race needs no normalisation)
-    a, b = _row_keys(seed, counter, tl.full((), 0, tl.uint32), MUL1, MUL2, A0, B0)
+    # round 0 came from the chunked race (all of the GPU hashes the noise): the first chunk holding
+    # the best score, as one scan of the row would have found it, and the row's maximum
     top = tl.full((), float("-inf"), tl.float32)
     best = tl.full((), float("-inf"), tl.float32)
     cand = tl.full((), 0, tl.int64)
-    for start in range(0, vocab, BLOCK):
-        cols = start + lanes
-        mask = cols < vocab
-        z = tl.div_rn(tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32), temp)
-        z = tl.where(mask, z, float("-inf"))
-        top = tl.maximum(top, tl.max(z, axis=0))
-        score = tl.where(mask, z + _gumbel_from_hash(_column_hash(a, b, cols, MUL1, MUL2, CMUL)), float("-inf"))
-        block_best = tl.max(score, axis=0)
-        block_col = tl.min(tl.where(score == block_best, cols, vocab), axis=0).to(tl.int64)
-        better = block_best > best
-        cand = tl.where(better, block_col, cand)
-        best = tl.where(better, block_best, best)
+    for c in range(0, num_chunks):
+        chunk_best = tl.load(race_scores + row * num_chunks + c)
+        better = chunk_best > best
+        cand = tl.where(better, tl.load(race_cols + row * num_chunks + c), cand)
+        best = tl.where(better, chunk_best, best)
+        top = tl.maximum(top, tl.load(race_max + row * num_chunks + c))
+    a, b = _row_keys(seed, counter, tl.full((), 0, tl.uint32), MUL1, MUL2, A0, B0)
     cand_key = _float_key(tl.div_rn(tl.load(base + cand).to(tl.float32), temp))
     # scan 2: the row's softmax denominator and the mass of tokens likelier than the candidate
     total = tl.full((), 0.0, tl.float32)
@@ -335,8 +339,9 @@ def nucleus_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ps: tor
     token for token up to summation rounding at the nucleus boundary. logits [N, V] (last dim
     contiguous), temperatures / top_ps [N] float32, seeds / counters [N] int64 -> [N] int64.
 
-    Cost: a row accepted in round 0 reads its logits twice (race with the row maximum, then the
-    softmax sum with the mass likelier than the candidate). Each round rejects with probability
+    Cost: round 0 is the plain race's chunked kernel (the hashing spread over the GPU, with each
+    chunk's maximum); a row accepted there reads its logits once more in its own program (the
+    softmax sum and the mass likelier than the candidate). Each round rejects with probability
     <= 1 - top_p (the allowed set always holds the nucleus, of mass >= top_p), so a row reaches
     the bisection (up to 32 more reads) with probability <= (1 - top_p) ** rounds: 1.6e-8 at
     top_p 0.95 and 6 rounds, 1.6 % at top_p 0.5. One program per row: whatever one row needs, the
@@ -351,9 +356,17 @@ def nucleus_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ps: tor
         raise ValueError(f"nucleus_sample: rounds must be in [1, 2**31), got {rounds}")
     out = torch.zeros(rows, device=logits.device, dtype=torch.int64)
     if rows and vocab:
+        temperatures, seeds, counters = temperatures.float().contiguous(), seeds.long().contiguous(), counters.long().contiguous()
+        num_chunks = triton.cdiv(vocab, RACE_CHUNK)
+        race = torch.empty(2, rows, num_chunks, device=logits.device, dtype=torch.float32)
+        race_cols = torch.empty(rows, num_chunks, device=logits.device, dtype=torch.int64)
+        _gumbel_race_kernel[(rows, num_chunks)](  # round 0, spread over the GPU
+            logits, temperatures, seeds, counters, race[0], race_cols, vocab, logits.stride(0), num_chunks, race[1],
+            CHUNK=RACE_CHUNK, BLOCK=BLOCK, MUL1=HASH_MUL1, MUL2=HASH_MUL2, A0=LANE_A, B0=LANE_B, CMUL=COLUMN_MUL,
+            WITH_MAX=True, num_warps=4)
         _nucleus_kernel[(rows,)](
-            logits, temperatures.float().contiguous(), top_ps.float().contiguous(), seeds.long().contiguous(),
-            counters.long().contiguous(), out, vocab, logits.stride(0),
+            logits, temperatures, top_ps.float().contiguous(), seeds,
+            counters, out, vocab, logits.stride(0), race[0], race_cols, race[1], num_chunks,
             ROUNDS=rounds, BLOCK=NUCLEUS_BLOCK, MUL1=HASH_MUL1, MUL2=HASH_MUL2, A0=LANE_A, B0=LANE_B,
             CMUL=COLUMN_MUL, num_warps=8)
     return out
