@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kernels.reference import gumbel_noise_at_reference, gumbel_noise_reference, sampling_hash_reference
-from kernels.sampling_noise import (BLOCK, NOISE_AT_BLOCK, NUCLEUS_BLOCK, gumbel_noise, gumbel_noise_at, gumbel_race,
+from kernels.sampling_noise import (BLOCK, NOISE_AT_BLOCK, RACE_CHUNK, gumbel_noise, gumbel_noise_at, gumbel_race,
                                    nucleus_sample, sampling_hash)
 from tests.kernels.paged_batch import DEVICE, gpu_case
 
@@ -122,7 +122,7 @@ def _nucleus_inputs(rows, vocab, seed):
     return gen, temps, seeds, counters
 
 
-@pytest.mark.parametrize("rows,vocab", [(10, 300), (6, NUCLEUS_BLOCK + 77), gpu_case(256, 151_936)])
+@pytest.mark.parametrize("rows,vocab", [(10, 300), (6, 2 * RACE_CHUNK + 77), gpu_case(256, 151_936)])
 def test_nucleus_kernel_draws_the_torch_paths_token(rows, vocab):
     """The GPU top-p draw equals the sampler's torch path (rejection rounds with the same noise
     rounds): peaked, random, near-flat and one-dominant-token rows, small and large top_p."""
