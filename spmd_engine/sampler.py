@@ -141,12 +141,12 @@ class Sampler:
             from kernels.sampling_noise import nucleus_sample
             top_p = _host_to([r.top_p for r in rows], torch.float32, dev)
             return nucleus_sample(logits.contiguous(), temps, top_p, seeds, counters, NUCLEUS_ROUNDS)
+        if kind == "top_k":  # topk of the logits, then / T: the order is the same, one [N, V] pass less
+            return _sample_top_k(logits, temps, [r.top_k for r in rows], [r.top_p for r in rows], seeds, counters)
         z = logits / temps[:, None]  # a true division: CUDA divides by a scalar as a multiply by the
         # reciprocal, which would round otherwise than another batch's per-row division
         if kind == "plain":
             return _race(z, seeds, counters, 0)
-        if kind == "top_k":
-            return _sample_top_k(z, [r.top_k for r in rows], [r.top_p for r in rows], seeds, counters)
         if kind == "top_k_sort":
             return _race(_apply_top_k_top_p(z, [r.top_k for r in rows], [r.top_p for r in rows]), seeds, counters, 0)
         top_p = _host_to([r.top_p for r in rows], torch.float32, dev)
@@ -162,28 +162,30 @@ def path_of(row: SamplingRow) -> str:
     return "top_p" if row.top_p < 1.0 else "plain"
 
 
-def _sample_top_k(z: torch.Tensor, top_ks: list[int], top_ps: list[float], seeds: torch.Tensor,
-                  counters: torch.Tensor) -> torch.Tensor:
+def _sample_top_k(logits: torch.Tensor, temps: torch.Tensor, top_ks: list[int], top_ps: list[float],
+                  seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
     """The top-k path without a sort of the vocabulary: `topk` of the group's largest k (at most
     TOP_K_FAST_MAX), each row masking the ranks past its own k, top-p within the renormalised top-k,
     and the race over the candidates with the round-0 noise of their original columns.
 
-    The same token as `_race(_apply_top_k_top_p(z, ...), seeds, counters, 0)` (the sort path): the
-    candidates carry the same float32 scores z + noise, ties go to the lowest column as argmax's do,
+    The same token as `_race(_apply_top_k_top_p(z, ...), seeds, counters, 0)` with z = logits / T
+    (the sort path): dividing by T > 0 keeps the order, so the topk of the logits divided by T are
+    the topk of z, and the candidates carry the same float32 scores z + noise, ties go to the lowest column as argmax's do,
     and the nucleus uses the same rule (mass of strictly better candidates < top_p); only a tie in
     z at a row's k-th rank may keep another of the tied tokens. The nucleus masses are summed in
     float64 from the row's maximum, so the width of the group's topk (its largest k) cannot move a
     row's cut beyond float64 rounding."""
-    vocab = z.shape[-1]
+    vocab = logits.shape[-1]
     width = min(max(top_ks), vocab)
-    values, cols = z.topk(width, dim=-1)  # sorted, descending
-    k = _host_to([min(kk, width) for kk in top_ks], torch.int64, z.device)
-    keep = torch.arange(width, device=z.device)[None, :] < k[:, None]
+    values, cols = logits.topk(width, dim=-1)  # sorted, descending
+    values = values / temps[:, None]  # the same true division as z's
+    k = _host_to([min(kk, width) for kk in top_ks], torch.int64, logits.device)
+    keep = torch.arange(width, device=logits.device)[None, :] < k[:, None]
     weights = (values.double() - values[:, :1].double()).exp().masked_fill(~keep, 0.0)
     cumulative = weights.cumsum(dim=-1)
     total = cumulative.gather(1, k[:, None] - 1)
     # top_p 1 masks nothing (a sum rounding past 1 must not cut the tail)
-    p = _host_to([pp if pp < 1.0 else float("inf") for pp in top_ps], torch.float64, z.device)
+    p = _host_to([pp if pp < 1.0 else float("inf") for pp in top_ps], torch.float64, logits.device)
     keep &= (cumulative - weights) < p[:, None] * total
     scores = (values + gumbel_noise_at(seeds, counters, 0, cols)).masked_fill(~keep, float("-inf"))
     best = scores.max(dim=-1, keepdim=True).values

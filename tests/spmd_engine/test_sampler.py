@@ -232,15 +232,16 @@ def test_the_top_k_fast_path_draws_the_sort_paths_token(vocab):
     ks = [1, 2, 5, 20, 40, 50, 200, 1000, TOP_K_FAST_MAX, 7, 20, 3]
     ps = [1.0, 0.9, 0.5, 0.95, 1.0, 0.3, 0.9, 0.95, 0.99, 0.05, 1.0, 0.8]
     for trial in range(5):
-        z = (2 * torch.randn(len(ks), vocab, generator=gen)).to(DEVICE)
-        z[-1] = 0.01 * torch.randn(vocab, generator=gen)  # nearly flat: the nucleus fills the top-k
+        logits = (2 * torch.randn(len(ks), vocab, generator=gen)).to(DEVICE)
+        logits[-1] = 0.01 * torch.randn(vocab, generator=gen)  # nearly flat: the nucleus fills the top-k
+        temps = (0.3 + 1.5 * torch.rand(len(ks), generator=gen)).to(DEVICE)
         seeds, counters = _keys(len(ks), trial)
-        fast = _sample_top_k(z, ks, ps, seeds, counters)
-        slow = _race(_apply_top_k_top_p(z, ks, ps), seeds, counters, 0)
+        fast = _sample_top_k(logits, temps, ks, ps, seeds, counters)
+        slow = _race(_apply_top_k_top_p(logits / temps[:, None], ks, ps), seeds, counters, 0)
         assert fast.tolist() == slow.tolist(), trial
         # each row alone (a topk of its own k only) draws the same
-        alone = [_sample_top_k(z[i : i + 1], [ks[i]], [ps[i]], seeds[i : i + 1], counters[i : i + 1]).item()
-                 for i in range(len(ks))]
+        alone = [_sample_top_k(logits[i : i + 1], temps[i : i + 1], [ks[i]], [ps[i]], seeds[i : i + 1],
+                               counters[i : i + 1]).item() for i in range(len(ks))]
         assert alone == fast.tolist(), trial
 
 
