@@ -222,7 +222,8 @@ def _float_key(z):
 
 @triton.jit
 def _nucleus_kernel(logits, temps, top_ps, seeds, counters, out, vocab, stride_row,
-                    race_scores, race_cols, race_max, num_chunks, ROUNDS: tl.constexpr, BLOCK: tl.constexpr, MUL1: tl.constexpr, MUL2: tl.constexpr,
+                    race_scores, race_cols, race_max, num_chunks,
+                    ROUNDS: tl.constexpr, BLOCK: tl.constexpr, MUL1: tl.constexpr, MUL2: tl.constexpr,
                     A0: tl.constexpr, B0: tl.constexpr, CMUL: tl.constexpr):
     """One program per row, after the chunked round-0 race (its per-chunk best scores, columns and
     maxima): exact top-p draw by rejection, with the row's own round-r noise, and
@@ -356,7 +357,8 @@ def nucleus_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ps: tor
         raise ValueError(f"nucleus_sample: rounds must be in [1, 2**31), got {rounds}")
     out = torch.zeros(rows, device=logits.device, dtype=torch.int64)
     if rows and vocab:
-        temperatures, seeds, counters = temperatures.float().contiguous(), seeds.long().contiguous(), counters.long().contiguous()
+        temperatures = temperatures.float().contiguous()
+        seeds, counters = seeds.long().contiguous(), counters.long().contiguous()
         num_chunks = triton.cdiv(vocab, RACE_CHUNK)
         race = torch.empty(2, rows, num_chunks, device=logits.device, dtype=torch.float32)
         race_cols = torch.empty(rows, num_chunks, device=logits.device, dtype=torch.int64)

@@ -170,9 +170,10 @@ def _sample_top_k(logits: torch.Tensor, temps: torch.Tensor, top_ks: list[int], 
 
     The same token as `_race(_apply_top_k_top_p(z, ...), seeds, counters, 0)` with z = logits / T
     (the sort path): dividing by T > 0 keeps the order, so the topk of the logits divided by T are
-    the topk of z, and the candidates carry the same float32 scores z + noise, ties go to the lowest column as argmax's do,
-    and the nucleus uses the same rule (mass of strictly better candidates < top_p); only a tie in
-    z at a row's k-th rank may keep another of the tied tokens. The nucleus masses are summed in
+    the topk of z, and the candidates carry the same float32 scores z + noise; ties go to the lowest
+    column as argmax's do, and the nucleus uses the same rule (mass of strictly better candidates <
+    top_p); only a tie at a row's k-th rank may keep another of the tied tokens (either is a valid
+    top-k set; a tie made by the division only is the same case). The nucleus masses are summed in
     float64 from the row's maximum, so the width of the group's topk (its largest k) cannot move a
     row's cut beyond float64 rounding."""
     vocab = logits.shape[-1]
