@@ -247,7 +247,6 @@ def _nucleus_kernel(logits, temps, top_ps, seeds, counters, out, vocab, stride_r
         cand = tl.where(better, tl.load(race_cols + row * num_chunks + c), cand)
         best = tl.where(better, chunk_best, best)
         top = tl.maximum(top, tl.load(race_max + row * num_chunks + c))
-    a, b = _row_keys(seed, counter, tl.full((), 0, tl.uint32), MUL1, MUL2, A0, B0)
     cand_key = _float_key(tl.div_rn(tl.load(base + cand).to(tl.float32), temp))
     # scan 2: the row's softmax denominator and the mass of tokens likelier than the candidate
     total = tl.full((), 0.0, tl.float32)
