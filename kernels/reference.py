@@ -133,9 +133,13 @@ def sampling_row_keys_reference(seeds: torch.Tensor, counters: torch.Tensor, rou
 
 
 def _sampling_hash_np(seeds: torch.Tensor, counters: torch.Tensor, round_: int, vocab: int) -> np.ndarray:
+    return _column_hash_np(seeds, counters, round_, np.arange(vocab, dtype=np.uint32)[None, :])
+
+
+def _column_hash_np(seeds: torch.Tensor, counters: torch.Tensor, round_: int, cols: np.ndarray) -> np.ndarray:
+    """The hash of each row's columns `cols` ([1, C] for every row alike or [N, C] per row), uint32 [N, C]."""
     a, b = sampling_row_keys_reference(seeds, counters, round_)
-    cols = np.arange(vocab, dtype=np.uint32) * np.uint32(COLUMN_MUL)
-    h = cols[None, :] + b[:, None]
+    h = cols.astype(np.uint32) * np.uint32(COLUMN_MUL) + b[:, None]
     _fmix32(h)
     h ^= a[:, None]
     return _fmix32(h)
@@ -170,3 +174,11 @@ def gumbel_noise_reference(seeds: torch.Tensor, counters: torch.Tensor, round_: 
     """[N, vocab] float32 Gumbel noise on the seeds' device: argmax(logits / T + noise) draws from
     softmax(logits / T). numpy on the host (its float32 log is vectorised; the CPU sampler's path)."""
     return torch.from_numpy(_gumbel_from_hash_np(_sampling_hash_np(seeds, counters, round_, vocab))).to(seeds.device)
+
+
+def gumbel_noise_at_reference(seeds: torch.Tensor, counters: torch.Tensor, round_: int, cols: torch.Tensor
+                              ) -> torch.Tensor:
+    """The Gumbel noise of row i at columns cols[i] only ([N, C] int64 -> [N, C] float32 on the seeds'
+    device): `gumbel_noise_reference(...).gather(1, cols)` without the [N, vocab] tensor."""
+    bits = _column_hash_np(seeds, counters, round_, cols.detach().cpu().numpy())
+    return torch.from_numpy(_gumbel_from_hash_np(bits)).to(seeds.device)

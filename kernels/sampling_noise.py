@@ -5,6 +5,10 @@ request's draws depend on nothing but its own seed and token index, whatever els
 it. Bit-identical to `reference.sampling_hash_reference` (uint32 arithmetic in both, numpy's
 there); the float conversion is the same formula (`reference.gumbel_from_hash_reference`), equal
 up to the device's log rounding.
+
+Kernels: the noise of whole rows (`gumbel_noise`) or of given columns (`gumbel_noise_at`, the top-k
+candidates), the fused plain draw (`gumbel_race`), and the whole top-p draw of a row with its
+rejection rounds and exact fallback (`nucleus_sample`), so the sampler never waits for the GPU.
 """
 from __future__ import annotations
 
@@ -97,6 +101,43 @@ def _launch(seeds: torch.Tensor, counters: torch.Tensor, round_: int, vocab: int
     return out
 
 
+@triton.jit
+def _noise_at_kernel(seeds, counters, cols, out, rnd, width,
+                     BLOCK: tl.constexpr, MUL1: tl.constexpr, MUL2: tl.constexpr, A0: tl.constexpr,
+                     B0: tl.constexpr, CMUL: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < width
+    seed = tl.load(seeds + row).to(tl.int64)
+    counter = tl.load(counters + row).to(tl.int64)
+    rnd = (tl.zeros((), tl.int32) + rnd).to(tl.uint32)
+    a, b = _row_keys(seed, counter, rnd, MUL1, MUL2, A0, B0)
+    c = tl.load(cols + row * width + offs, mask=mask, other=0)
+    tl.store(out + row * width + offs, _gumbel_from_hash(_column_hash(a, b, c, MUL1, MUL2, CMUL)), mask=mask)
+
+
+NOISE_AT_BLOCK = 256
+
+
+def gumbel_noise_at(seeds: torch.Tensor, counters: torch.Tensor, round_: int, cols: torch.Tensor) -> torch.Tensor:
+    """The Gumbel noise of row i at its columns cols[i] only: cols [N, C] int64 -> [N, C] float32, equal
+    to `gumbel_noise(seeds, counters, round_, vocab).gather(1, cols)` (the same code per element)
+    without making the [N, vocab] noise (the top-k path needs a few columns per row)."""
+    if cols.dim() != 2 or seeds.shape != (cols.shape[0],) or counters.shape != seeds.shape:
+        raise ValueError(f"gumbel_noise_at: cols must be [N, C] with seeds and counters [N], got "
+                         f"{tuple(cols.shape)}, {tuple(seeds.shape)} and {tuple(counters.shape)}")
+    if not 0 <= round_ < 2**31:
+        raise ValueError(f"gumbel_noise_at: round must be in [0, 2**31), got {round_}")
+    rows, width = cols.shape
+    out = torch.empty(rows, width, device=cols.device, dtype=torch.float32)
+    if rows and width:
+        _noise_at_kernel[(rows, triton.cdiv(width, NOISE_AT_BLOCK))](
+            seeds.long().contiguous(), counters.long().contiguous(), cols.long().contiguous(), out, round_, width,
+            BLOCK=NOISE_AT_BLOCK, MUL1=HASH_MUL1, MUL2=HASH_MUL2, A0=LANE_A, B0=LANE_B, CMUL=COLUMN_MUL,
+            num_warps=4)
+    return out
+
+
 def sampling_hash(seeds: torch.Tensor, counters: torch.Tensor, round_: int, vocab: int) -> torch.Tensor:
     """The raw 32-bit hashes, [N, vocab] int64 in [0, 2**32) (what the tests compare bit for bit)."""
     return _launch(seeds, counters, round_, vocab, MODE_BITS)
@@ -109,11 +150,13 @@ def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, round_: int, vocab
 
 @triton.jit
 def _gumbel_race_kernel(logits, temps, seeds, counters, best_scores, best_cols, vocab, stride_row, num_chunks,
-                        CHUNK: tl.constexpr, BLOCK: tl.constexpr, MUL1: tl.constexpr, MUL2: tl.constexpr,
-                        A0: tl.constexpr, B0: tl.constexpr, CMUL: tl.constexpr):
+                        chunk_max, CHUNK: tl.constexpr, BLOCK: tl.constexpr, MUL1: tl.constexpr,
+                        MUL2: tl.constexpr, A0: tl.constexpr, B0: tl.constexpr, CMUL: tl.constexpr,
+                        WITH_MAX: tl.constexpr = False):
     """One program per (row, vocabulary chunk): the chunk's best logits / T + round-0 Gumbel noise and
     its column, the noise made in registers (no [N, V] tensor); ties go to the lowest column, as
-    torch.argmax. Chunks rather than whole rows: a row per program leaves most of the GPU idle."""
+    torch.argmax. Chunks rather than whole rows: a row per program leaves most of the GPU idle.
+    WITH_MAX: also the chunk's largest logits / T (the nucleus kernel's round 0)."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     seed = tl.load(seeds + row).to(tl.int64)
@@ -122,11 +165,15 @@ def _gumbel_race_kernel(logits, temps, seeds, counters, best_scores, best_cols, 
     a, b = _row_keys(seed, counter, tl.full((), 0, tl.uint32), MUL1, MUL2, A0, B0)
     best = tl.full((), float("-inf"), tl.float32)
     best_col = tl.full((), 0, tl.int64) + chunk * CHUNK
+    top = tl.full((), float("-inf"), tl.float32)
     for offset in range(0, CHUNK, BLOCK):
         cols = chunk * CHUNK + offset + tl.arange(0, BLOCK)
         mask = cols < vocab
         x = tl.load(logits + row * stride_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        score = tl.div_rn(x, temp) + _gumbel_from_hash(_column_hash(a, b, cols, MUL1, MUL2, CMUL))
+        z = tl.div_rn(x, temp)
+        if WITH_MAX:
+            top = tl.maximum(top, tl.max(tl.where(mask, z, float("-inf")), axis=0))
+        score = z + _gumbel_from_hash(_column_hash(a, b, cols, MUL1, MUL2, CMUL))
         score = tl.where(mask, score, float("-inf"))
         block_best = tl.max(score, axis=0)
         block_col = tl.min(tl.where(score == block_best, cols, vocab), axis=0).to(tl.int64)
@@ -135,6 +182,8 @@ def _gumbel_race_kernel(logits, temps, seeds, counters, best_scores, best_cols, 
         best = tl.where(better, block_best, best)
     tl.store(best_scores + row * num_chunks + chunk, best)
     tl.store(best_cols + row * num_chunks + chunk, best_col)
+    if WITH_MAX:
+        tl.store(chunk_max + row * num_chunks + chunk, top)
 
 
 RACE_CHUNK = 4 * BLOCK  # columns per program of the fused race
@@ -157,8 +206,168 @@ def gumbel_race(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.T
     cols = torch.empty(rows, num_chunks, device=logits.device, dtype=torch.int64)
     _gumbel_race_kernel[(rows, num_chunks)](
         logits, temperatures.float().contiguous(), seeds.long().contiguous(), counters.long().contiguous(),
-        scores, cols, vocab, logits.stride(0), num_chunks,
+        scores, cols, vocab, logits.stride(0), num_chunks, scores,
         CHUNK=RACE_CHUNK, BLOCK=BLOCK, MUL1=HASH_MUL1, MUL2=HASH_MUL2, A0=LANE_A, B0=LANE_B, CMUL=COLUMN_MUL,
         num_warps=4)
     # the first chunk holding the row's maximum (torch.argmax takes the first): the lowest column
     return cols.gather(1, scores.argmax(dim=1, keepdim=True)).squeeze(1)
+
+
+@triton.jit
+def _float_key(z):
+    """An int32 whose order is the order of the float32 values (-0.0 taken as +0.0)."""
+    bits = tl.where(z == 0.0, 0.0, z).to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+@triton.jit
+def _nucleus_kernel(logits, temps, top_ps, seeds, counters, out, vocab, stride_row,
+                    race_scores, race_cols, race_max, num_chunks,
+                    ROUNDS: tl.constexpr, BLOCK: tl.constexpr, MUL1: tl.constexpr, MUL2: tl.constexpr,
+                    A0: tl.constexpr, B0: tl.constexpr, CMUL: tl.constexpr):
+    """One program per row, after the chunked round-0 race (its per-chunk best scores, columns and
+    maxima): exact top-p draw by rejection, with the row's own round-r noise, and
+    after ROUNDS rejections the exact nucleus cut by bisection (round ROUNDS noise). Every decision
+    is taken inside the program, so the host never waits and a row never sees another row."""
+    row = tl.program_id(0).to(tl.int64)
+    base = logits + row * stride_row
+    seed = tl.load(seeds + row).to(tl.int64)
+    counter = tl.load(counters + row).to(tl.int64)
+    temp = tl.load(temps + row)
+    top_p = tl.load(top_ps + row)
+    lanes = tl.arange(0, BLOCK)
+    # round 0 came from the chunked race (all of the GPU hashes the noise): the first chunk holding
+    # the best score, as one scan of the row would have found it, and the row's maximum
+    top = tl.full((), float("-inf"), tl.float32)
+    best = tl.full((), float("-inf"), tl.float32)
+    cand = tl.full((), 0, tl.int64)
+    for c in range(0, num_chunks):
+        chunk_best = tl.load(race_scores + row * num_chunks + c)
+        better = chunk_best > best
+        cand = tl.where(better, tl.load(race_cols + row * num_chunks + c), cand)
+        best = tl.where(better, chunk_best, best)
+        top = tl.maximum(top, tl.load(race_max + row * num_chunks + c))
+    cand_key = _float_key(tl.div_rn(tl.load(base + cand).to(tl.float32), temp))
+    # scan 2: the row's softmax denominator and the mass of tokens likelier than the candidate
+    total = tl.full((), 0.0, tl.float32)
+    likelier = tl.full((), 0.0, tl.float32)
+    for start in range(0, vocab, BLOCK):
+        cols = start + lanes
+        mask = cols < vocab
+        z = tl.div_rn(tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32), temp)
+        e = tl.where(mask, tl.exp(z - top), 0.0)
+        total += tl.sum(e, axis=0)
+        likelier += tl.sum(tl.where(_float_key(z) > cand_key, e, 0.0), axis=0)
+    bound = top_p * total  # token i is in the nucleus iff the mass likelier than it is < bound
+    done = (likelier < bound).to(tl.int32)
+    drawn = cand
+    cut = cand_key  # tokens with keys <= cut are known to be outside the nucleus
+    for rnd in range(1, ROUNDS):
+        if done == 0:
+            a, b = _row_keys(seed, counter, (tl.zeros((), tl.int32) + rnd).to(tl.uint32), MUL1, MUL2, A0, B0)
+            best = tl.full((), float("-inf"), tl.float32)
+            cand = tl.full((), 0, tl.int64)
+            for start in range(0, vocab, BLOCK):
+                cols = start + lanes
+                mask = cols < vocab
+                z = tl.div_rn(tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32), temp)
+                score = z + _gumbel_from_hash(_column_hash(a, b, cols, MUL1, MUL2, CMUL))
+                score = tl.where(mask & (_float_key(z) > cut), score, float("-inf"))
+                block_best = tl.max(score, axis=0)
+                block_col = tl.min(tl.where(score == block_best, cols, vocab), axis=0).to(tl.int64)
+                better = block_best > best
+                cand = tl.where(better, block_col, cand)
+                best = tl.where(better, block_best, best)
+            cand_key = _float_key(tl.div_rn(tl.load(base + cand).to(tl.float32), temp))
+            likelier = tl.full((), 0.0, tl.float32)
+            for start in range(0, vocab, BLOCK):
+                cols = start + lanes
+                mask = cols < vocab
+                z = tl.div_rn(tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32), temp)
+                e = tl.where(mask & (_float_key(z) > cand_key), tl.exp(z - top), 0.0)
+                likelier += tl.sum(e, axis=0)
+            done = (likelier < bound).to(tl.int32)
+            drawn = cand
+            cut = cand_key
+    if done == 0:
+        # the exact cut: the smallest key t with mass(keys > t) < bound. It is a token's key (the mass
+        # above t only grows at tokens' keys), and the nucleus is every key >= t. Bisection between
+        # the last rejected candidate's key (mass above it >= bound) and the maximum's (mass above 0):
+        # at most 32 halvings, each a scan of the row, skipped once the bracket is closed.
+        lo = cut.to(tl.int64)
+        hi = _float_key(top).to(tl.int64)
+        for _ in range(32):
+            mid = lo + (hi - lo) // 2
+            if hi - lo > 1:
+                mass = tl.full((), 0.0, tl.float32)
+                for start in range(0, vocab, BLOCK):
+                    cols = start + lanes
+                    mask = cols < vocab
+                    z = tl.div_rn(tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32), temp)
+                    e = tl.where(mask & (_float_key(z).to(tl.int64) > mid), tl.exp(z - top), 0.0)
+                    mass += tl.sum(e, axis=0)
+                if mass < bound:
+                    hi = mid
+                else:
+                    lo = mid
+        a, b = _row_keys(seed, counter, tl.full((), ROUNDS, tl.uint32), MUL1, MUL2, A0, B0)
+        best = tl.full((), float("-inf"), tl.float32)
+        cand = tl.full((), 0, tl.int64)
+        for start in range(0, vocab, BLOCK):
+            cols = start + lanes
+            mask = cols < vocab
+            z = tl.div_rn(tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32), temp)
+            score = z + _gumbel_from_hash(_column_hash(a, b, cols, MUL1, MUL2, CMUL))
+            score = tl.where(mask & (_float_key(z).to(tl.int64) >= hi), score, float("-inf"))
+            block_best = tl.max(score, axis=0)
+            block_col = tl.min(tl.where(score == block_best, cols, vocab), axis=0).to(tl.int64)
+            better = block_best > best
+            cand = tl.where(better, block_col, cand)
+            best = tl.where(better, block_best, best)
+        drawn = cand
+    tl.store(out + row, drawn)
+
+
+NUCLEUS_BLOCK = 2048  # columns per iteration of the nucleus kernel's scans (one program per row)
+
+
+def nucleus_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tensor, seeds: torch.Tensor,
+                   counters: torch.Tensor, rounds: int) -> torch.Tensor:
+    """Exact top-p draws (top_p in (0, 1)) without a host sync or a sort: `rounds` rejection rounds
+    (round r: the row's (seed, counter, r) noise), then the exact nucleus by bisection and round
+    `rounds` noise. The same algorithm as the sampler's torch path (`spmd_engine.sampler._sample_nucleus`),
+    token for token up to summation rounding at the nucleus boundary. logits [N, V] (last dim
+    contiguous), temperatures / top_ps [N] float32, seeds / counters [N] int64 -> [N] int64.
+
+    Cost: round 0 is the plain race's chunked kernel (the hashing spread over the GPU, with each
+    chunk's maximum); a row accepted there reads its logits once more in its own program (the
+    softmax sum and the mass likelier than the candidate). Each round rejects with probability
+    <= 1 - top_p (the allowed set always holds the nucleus, of mass >= top_p), so a row reaches
+    the bisection (up to 32 more reads) with probability <= (1 - top_p) ** rounds: 1.6e-8 at
+    top_p 0.95 and 6 rounds, 1.6 % at top_p 0.5. One program per row: whatever one row needs, the
+    others neither wait for the host nor see it."""
+    if logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(f"nucleus_sample: logits must be [N, V] with a contiguous last dim, got {tuple(logits.shape)}")
+    rows, vocab = logits.shape
+    for name, t in (("temperatures", temperatures), ("top_ps", top_ps), ("seeds", seeds), ("counters", counters)):
+        if t.shape != (rows,):
+            raise ValueError(f"nucleus_sample: {name} must be [{rows}], got {tuple(t.shape)}")
+    if not 1 <= rounds < 2**31:
+        raise ValueError(f"nucleus_sample: rounds must be in [1, 2**31), got {rounds}")
+    out = torch.zeros(rows, device=logits.device, dtype=torch.int64)
+    if rows and vocab:
+        temperatures = temperatures.float().contiguous()
+        seeds, counters = seeds.long().contiguous(), counters.long().contiguous()
+        num_chunks = triton.cdiv(vocab, RACE_CHUNK)
+        race = torch.empty(2, rows, num_chunks, device=logits.device, dtype=torch.float32)
+        race_cols = torch.empty(rows, num_chunks, device=logits.device, dtype=torch.int64)
+        _gumbel_race_kernel[(rows, num_chunks)](  # round 0, spread over the GPU
+            logits, temperatures, seeds, counters, race[0], race_cols, vocab, logits.stride(0), num_chunks, race[1],
+            CHUNK=RACE_CHUNK, BLOCK=BLOCK, MUL1=HASH_MUL1, MUL2=HASH_MUL2, A0=LANE_A, B0=LANE_B, CMUL=COLUMN_MUL,
+            WITH_MAX=True, num_warps=4)
+        _nucleus_kernel[(rows,)](
+            logits, temperatures, top_ps.float().contiguous(), seeds,
+            counters, out, vocab, logits.stride(0), race[0], race_cols, race[1], num_chunks,
+            ROUNDS=rounds, BLOCK=NUCLEUS_BLOCK, MUL1=HASH_MUL1, MUL2=HASH_MUL2, A0=LANE_A, B0=LANE_B,
+            CMUL=COLUMN_MUL, num_warps=8)
+    return out

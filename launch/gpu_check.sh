@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks of docs/BENCHMARKS.md, in one call on an H200 machine (2 GPUs for tp).
 #   bash launch/gpu_check.sh [STAGE ...]
-#   stages: tests fused sampler qwen3 qwen3_p1 sync bs1 prefill tp tp_sync qwen3_tp2 sweep profile (default: all)
+#   stages: tests fused sampler qwen3 qwen3_p1 qwen3_p95 sync bs1 prefill tp tp_sync qwen3_tp2 sweep profile (default: all)
 # Logs go to $OUT/log.txt (OUT defaults to ./gpu_check_out), every run's metrics.json to $OUT/metrics.tgz,
 # and a summary table is printed last (also $OUT/summary.txt). Each stage has its own time limit.
 set -uo pipefail
@@ -11,7 +11,7 @@ OUT=${OUT:-$PWD/gpu_check_out}
 WORK=${GPU_CHECK_WORK:-/tmp/gpu_check}
 mkdir -p "$OUT" "$WORK"
 LOG=$OUT/log.txt
-stages=${*:-tests fused sampler qwen3 qwen3_p1 sync bs1 prefill tp tp_sync qwen3_tp2 sweep profile}
+stages=${*:-tests fused sampler qwen3 qwen3_p1 qwen3_p95 sync bs1 prefill tp tp_sync qwen3_tp2 sweep profile}
 TORCHRUN=(python -m torch.distributed.run --standalone --nproc_per_node=2)
 BENCH=(model.load_format=dummy workload=bench)
 
@@ -29,9 +29,10 @@ note "device: $(nvidia-smi -L | tr '\n' ' ') torch $(python -c 'import torch; pr
 for stage in $stages; do
   case $stage in
     tests)
-      note "tests: pytest tests/gpu + GPU kernel cases"
+      note "tests: pytest tests/gpu + GPU kernel cases + the sampler on CUDA (no host sync, batch independence)"
       timeout -k 10 300 python -m pytest tests/gpu tests/kernels/test_rms_norm.py tests/kernels/test_rotary.py \
-        tests/kernels/test_silu_and_mul.py -q -x -p no:cacheprovider 2>&1 | tee -a "$LOG" | tail -15 ;;
+        tests/kernels/test_silu_and_mul.py tests/kernels/test_sampling_noise.py tests/spmd_engine/test_sampler.py \
+        -q -x -p no:cacheprovider 2>&1 | tee -a "$LOG" | tail -15 ;;
     fused)
       note "fused: kernels/bench_fused_ops.py"
       CUDA_VISIBLE_DEVICES=0 timeout -k 10 120 python kernels/bench_fused_ops.py 2>&1 | tee -a "$LOG" ;;
@@ -42,17 +43,33 @@ import torch, triton.testing
 from spmd_engine.sampler import Sampler, SamplingRow
 logits = torch.randn(256, 151936, device="cuda") * 2
 sampler = Sampler(torch.device("cuda"))
-for name, t, p, k in (("greedy", 0.0, 1.0, -1), ("temperature 0.6", 0.6, 1.0, -1), ("temperature 0.6 top_p 0.95", 0.6, 0.95, -1),
-                      ("temperature 0.6 top_k 20", 0.6, 1.0, 20)):
+flat = torch.randn(256, 151936, device="cuda") * 0.05  # nearly flat rows: a nucleus of ~140k tokens
+for name, t, p, k, x in (("greedy", 0.0, 1.0, -1, logits), ("temperature 0.6", 0.6, 1.0, -1, logits),
+                         ("temperature 0.6 top_p 0.95", 0.6, 0.95, -1, logits),
+                         ("temperature 0.6 top_p 0.95 flat rows", 0.6, 0.95, -1, flat),
+                         ("temperature 0.6 top_p 0.5 flat rows (rejections)", 0.6, 0.5, -1, flat),
+                         ("temperature 0.6 top_k 20", 0.6, 1.0, 20, logits),
+                         ("temperature 0.6 top_k 50 top_p 0.9", 0.6, 0.9, 50, logits),
+                         ("temperature 0.6 top_k 2000 (sort)", 0.6, 1.0, 2000, logits)):
     rows = [SamplingRow(i, t, p, k, i, 7) for i in range(256)]
-    ms = triton.testing.do_bench(lambda: sampler.sample(logits, rows), warmup=20, rep=200, return_mode="median")
+    ms = triton.testing.do_bench(lambda: sampler.sample(x, rows), warmup=20, rep=200, return_mode="median")
     print(f"sampler {name}: {ms:.3f} ms")
+# the host side alone: how long sample_on_device takes to queue (no wait for the GPU on any path)
+import time
+for p, k in ((0.95, -1), (1.0, 20)):
+    rows = [SamplingRow(i, 0.6, p, k, i, 7) for i in range(256)]
+    torch.cuda.synchronize(); torch.cuda._sleep(200_000_000)  # keep the GPU busy ~0.1 s
+    t0 = time.perf_counter(); sampler.sample_on_device(logits, rows); queued = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    print(f"sampler queue time top_p {p} top_k {k} behind a busy GPU: {1000 * queued:.2f} ms (a sync would wait ~100 ms)")
 PY
       ;;
     qwen3)
       CUDA_VISIBLE_DEVICES=0 run qwen3 200 python run.py model=qwen3 "${BENCH[@]}" max_model_len=4096 ;;
     qwen3_p1)
       CUDA_VISIBLE_DEVICES=0 run qwen3_p1 200 python run.py model=qwen3 "${BENCH[@]}" max_model_len=4096 sampling.top_p=1.0 ;;
+    qwen3_p95)  # the bench with the engine's default nucleus (sampling.top_p 0.95): compare with qwen3_p1
+      CUDA_VISIBLE_DEVICES=0 run qwen3_p95 200 python run.py model=qwen3 "${BENCH[@]}" max_model_len=4096 workload.top_p=0.95 ;;
     sync)  # the same runs as qwen3_p1 and bs1, planning each step only after the last one's tokens
       CUDA_VISIBLE_DEVICES=0 run qwen3_p1_sync 200 python run.py model=qwen3 "${BENCH[@]}" max_model_len=4096 \
         sampling.top_p=1.0 async_scheduling=false

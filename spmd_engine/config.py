@@ -189,7 +189,7 @@ BENCH_PARAMS: dict[str, tuple[type, float | None, str | None]] = {
     "num_seqs": (int, 1, None), "min_input_len": (int, 1, None), "max_input_len": (int, None, "min_input_len"),
     "min_output_len": (int, 1, None), "max_output_len": (int, None, "min_output_len"),
     "token_id_max": (int, 0, None), "random_seed": (int, None, None), "temperature": (float, 0, None),
-    "warmup": (bool, None, None),
+    "warmup": (bool, None, None), "top_p": (float, None, None), "top_k": (int, -1, None),
 }
 
 
@@ -207,6 +207,8 @@ def _workload_params(name: str, params: dict[str, Any]) -> dict[str, Any]:
         if limit is not None and checked[key] < limit:
             raise ConfigError(f"workload.{key} must be >= {f'workload.{low_key} ({limit})' if low_key else limit}, "
                               f"got {checked[key]}")
+    if "top_p" in checked and not 0 < checked["top_p"] <= 1:  # the bench's sampling keys: sampling.*'s limits
+        raise ConfigError(f"workload.top_p must be in (0, 1], got {checked['top_p']}")
     return checked
 
 

@@ -143,12 +143,13 @@ class ModelRunner:
         self.model.compute_logits(hidden[rows])
 
     def _warmup_sampler(self) -> None:
-        """Sample max_num_seqs rows of fake logits through the sampler's two costly paths (top-k with
-        its sort; top-p alone) and the plain race, on rank 0's memory only during sampling."""
-        from spmd_engine.sampler import Sampler, SamplingRow
+        """Sample max_num_seqs rows of fake logits through every sampler path (the sort of a top-k past
+        TOP_K_FAST_MAX is the costliest in memory; topk; top-p alone; the plain race), on rank 0's memory
+        only during sampling."""
+        from spmd_engine.sampler import TOP_K_FAST_MAX, Sampler, SamplingRow
         n = self.settings.max_num_seqs
         logits = torch.randn(n, self.shape.vocab_size, device=self.device)
-        for top_k, top_p in ((50, 0.9), (-1, 0.9), (-1, 1.0)):  # the last compiles the fused plain race
+        for top_k, top_p in ((TOP_K_FAST_MAX + 1, 0.9), (50, 0.9), (-1, 0.9), (-1, 1.0)):
             Sampler(self.device).sample(logits, [SamplingRow(i, 1.0, top_p, top_k, i, 0) for i in range(n)])
 
     # --- the step -----------------------------------------------------------------------

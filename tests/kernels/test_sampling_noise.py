@@ -4,8 +4,9 @@ rounding; and the hash's streams for other seeds, counters and rounds are unrela
 import pytest
 import torch
 
-from kernels.reference import gumbel_noise_reference, sampling_hash_reference
-from kernels.sampling_noise import BLOCK, gumbel_noise, gumbel_race, sampling_hash
+from kernels.reference import gumbel_noise_at_reference, gumbel_noise_reference, sampling_hash_reference
+from kernels.sampling_noise import (BLOCK, NOISE_AT_BLOCK, RACE_CHUNK, gumbel_noise, gumbel_noise_at, gumbel_race,
+                                   nucleus_sample, sampling_hash)
 from tests.kernels.paged_batch import DEVICE, gpu_case
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::RuntimeWarning")  # interpreter
@@ -92,3 +93,78 @@ def test_fused_race_spans_blocks_and_skips_minus_inf():
     got = gumbel_race(logits, temps, keys, keys).tolist()
     assert got[0] in (3, BLOCK + 4) and got[1] == 5
     assert got == (logits + gumbel_noise(keys, keys, 0, logits.shape[1])).argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("width,vocab", [(7, 50), (NOISE_AT_BLOCK + 3, 5000), gpu_case(1024, 151_936)])
+def test_noise_at_columns_equals_the_gathered_noise(width, vocab):
+    """The top-k path's noise at a few columns per row is the full noise at those columns, bit for bit
+    (the same per-element code), and the reference agrees."""
+    seeds = torch.tensor(SEEDS, dtype=torch.int64, device=DEVICE)
+    counters = torch.tensor(COUNTERS, dtype=torch.int64, device=DEVICE)
+    gen = torch.Generator().manual_seed(width)
+    cols = torch.stack([torch.randperm(vocab, generator=gen)[:width] for _ in SEEDS]).to(DEVICE)
+    at = gumbel_noise_at(seeds, counters, 3, cols)
+    assert torch.equal(at, gumbel_noise(seeds, counters, 3, vocab).gather(1, cols))
+    ref = gumbel_noise_at_reference(seeds, counters, 3, cols)
+    assert torch.equal(ref, gumbel_noise_reference(seeds, counters, 3, vocab).gather(1, cols))
+    torch.testing.assert_close(at, ref, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="cols must be"):
+        gumbel_noise_at(seeds[:2], counters[:2], 0, cols)
+
+
+# --- the nucleus kernel: rejection rounds and the bisection fallback on the device ----------------
+
+def _nucleus_inputs(rows, vocab, seed):
+    gen = torch.Generator().manual_seed(seed)
+    temps = (0.5 + torch.rand(rows, generator=gen)).to(DEVICE)
+    seeds = torch.randint(-(2**63), 2**63 - 1, (rows,), generator=gen).to(DEVICE)
+    counters = torch.randint(0, 5000, (rows,), generator=gen).to(DEVICE)
+    return gen, temps, seeds, counters
+
+
+@pytest.mark.parametrize("rows,vocab", [(10, 300), (6, 2 * RACE_CHUNK + 77), gpu_case(256, 151_936)])
+def test_nucleus_kernel_draws_the_torch_paths_token(rows, vocab):
+    """The GPU top-p draw equals the sampler's torch path (rejection rounds with the same noise
+    rounds): peaked, random, near-flat and one-dominant-token rows, small and large top_p."""
+    from spmd_engine.sampler import NUCLEUS_ROUNDS, _sample_nucleus
+    gen, temps, seeds, counters = _nucleus_inputs(rows, vocab, vocab)
+    logits = 3 * torch.randn(rows, vocab, generator=gen)
+    logits[0] = 0.01 * torch.randn(vocab, generator=gen)  # nearly flat: a nucleus of most tokens
+    logits[1] = 0.0
+    logits[1, vocab - 1] = 6.0  # one token holds much of the mass: draws outside are common
+    top_p = torch.tensor([0.95, 0.5, 0.9, 0.3, 0.05, 0.99] * (rows // 6 + 1))[:rows].to(DEVICE)
+    logits = logits.to(DEVICE)
+    got = nucleus_sample(logits, temps, top_p, seeds, counters, NUCLEUS_ROUNDS)
+    assert got.tolist() == _sample_nucleus(logits / temps[:, None], top_p, seeds, counters).tolist()
+
+
+def test_nucleus_kernel_fallback_finds_the_exact_nucleus(monkeypatch):
+    """Rows that exhaust the rejection rounds: the kernel's bisection finds the cut the torch path's
+    sort finds (the same token with the same round-NUCLEUS_ROUNDS noise), and the fallback ran."""
+    import spmd_engine.sampler as sampler_module
+    rows, vocab = 24, 400
+    _, temps, seeds, counters = _nucleus_inputs(rows, vocab, 1)
+    # a slow decay and a tiny nucleus: each rejection cuts few tokens, most rows reach the fallback
+    logits = (-0.0005 * torch.arange(vocab, dtype=torch.float32)).expand(rows, vocab).contiguous().to(DEVICE)
+    top_p = torch.full((rows,), 0.005, device=DEVICE)
+    sorted_rows = []
+    apply = sampler_module._apply_top_k_top_p
+    monkeypatch.setattr(sampler_module, "_apply_top_k_top_p",
+                        lambda z, ks, ps: (sorted_rows.append(z.shape[0]), apply(z, ks, ps))[1])
+    expected = sampler_module._sample_nucleus(logits / temps[:, None], top_p, seeds, counters)
+    assert sum(sorted_rows) >= 5  # 8 of the 24 rows
+    got = nucleus_sample(logits, temps, top_p, seeds, counters, sampler_module.NUCLEUS_ROUNDS)
+    assert got.tolist() == expected.tolist()
+    assert got.max().item() < 10  # inside the nucleus
+
+
+def test_nucleus_kernel_keeps_tied_tokens_and_checks_shapes():
+    """All tokens tie: none is strictly likelier, so every token is in the nucleus (no bisection cut
+    at an arbitrary rank); bad shapes raise."""
+    rows, vocab = 8, 40
+    _, temps, seeds, counters = _nucleus_inputs(rows, vocab, 2)
+    got = nucleus_sample(torch.zeros(rows, vocab, device=DEVICE), temps, torch.full((rows,), 0.2, device=DEVICE),
+                         seeds, counters, 6)
+    assert len(set(got.tolist())) > 4
+    with pytest.raises(ValueError, match="top_ps"):
+        nucleus_sample(torch.zeros(2, 5, device=DEVICE), temps[:2], temps[:1], seeds[:2], counters[:2], 6)

@@ -105,6 +105,14 @@ def test_bench_workload_keys_are_checked():
         engine_config_from_dict(base(workload={**bench, "num_seqs": "abc"}))
     with pytest.raises(ConfigError, match=r"^workload.max_output_len must be >= workload.min_output_len \(100\)"):
         engine_config_from_dict(base(workload={**bench, "max_output_len": 1}))
+    # the sampling path of the bench (workload.top_p / top_k): sampling.*'s limits
+    params = engine_config_from_dict(base(workload={**bench, "top_p": 0.95, "top_k": 20})).workload.params
+    assert (params["top_p"], params["top_k"]) == (0.95, 20)
+    for key, value, line in (("top_p", 0.0, r"^workload.top_p must be in \(0, 1\], got 0.0$"),
+                             ("top_p", 1.5, r"^workload.top_p must be in \(0, 1\], got 1.5$"),
+                             ("top_k", -2, r"^workload.top_k must be >= -1, got -2$")):
+        with pytest.raises(ConfigError, match=line):
+            engine_config_from_dict(base(workload={**bench, key: value}))
 
 
 def test_prompts_and_file_exclusive():

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from spmd_engine.sampler import NUCLEUS_ROUNDS, Sampler, SamplingRow, _apply_top_k_top_p, request_seed, seed_bits
+from spmd_engine.sampler import (NUCLEUS_ROUNDS, TOP_K_FAST_MAX, Sampler, SamplingRow, _apply_top_k_top_p, _race,
+                                 _sample_top_k, path_of, request_seed, seed_bits)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -136,11 +137,13 @@ def _mixed_rows(counter: int) -> list[SamplingRow]:
         row(6, t=1.0, p=0.3, seed=request_seed(0, 0, 6), counter=counter),  # unseeded request
         row(7, t=2.0, seed=request_seed(0, 0, 7), counter=counter),  # unseeded request
         row(8, t=1.0, p=0.5, seed=2**64 - 1, counter=counter),  # flat tail: several rejection rounds
+        row(9, t=0.9, k=TOP_K_FAST_MAX + 1, p=0.7, seed=19, counter=counter),  # top-k past the topk cap: sort
+        row(10, t=1.1, k=200, p=0.95, seed=20, counter=counter),  # a wide topk next to k=5 and k=40 rows
     ]
 
 
 def _mixed_logits(counter: int) -> torch.Tensor:
-    logits = 2 * torch.randn(9, 300, generator=torch.Generator().manual_seed(counter))
+    logits = 2 * torch.randn(11, 300, generator=torch.Generator().manual_seed(counter))
     logits[8] = 0.0
     logits[8, 0] = 6.9  # ~0.75 of the mass on token 0 of 300: draws outside the nucleus are common
     return logits
@@ -152,7 +155,7 @@ def test_every_row_draws_the_same_token_alone_and_in_any_batch(counter):
     alone = [sample(logits[i : i + 1], [r])[0] for i, r in enumerate(rows)]
     assert sample(logits, rows).tolist() == alone
     rng = np.random.default_rng(counter)
-    for size in (2, 3, 5, 9):
+    for size in (2, 3, 5, 9, 11):
         for _ in range(4):
             pick = rng.permutation(len(rows))[:size]
             got = sample(logits[torch.tensor(pick)], [rows[i] for i in pick])
@@ -204,10 +207,105 @@ def test_the_nucleus_fallback_keeps_the_distribution_and_the_batch_independence(
                         lambda z, ks, ps: (sorted_rows.append(z.shape[0]), apply(z, ks, ps))[1])
     rows = [row(i, p=0.1, seed=i) for i in range(n)]
     out = sample(logits, rows)
-    assert sum(sorted_rows) > 20  # the fallback ran (about 2.5 % of the rows)
+    if DEVICE.type == "cpu":  # CUDA's fallback is the kernel's bisection (tests/kernels/test_sampling_noise.py)
+        assert sum(sorted_rows) > 20  # the fallback ran (about 2.5 % of the rows)
     p = torch.softmax(logits[0].double(), dim=0).numpy()
     nucleus = np.cumsum(p) - p < 0.1  # 11 tokens
     expected = np.where(nucleus, p, 0.0) / p[nucleus].sum()
     assert chi_square(np.bincount(out, minlength=vocab), expected) < 50  # 10 degrees of freedom
     alone = [sample(logits[i : i + 1], [rows[i]])[0] for i in range(400)]
     assert alone == out[:400].tolist()
+
+
+# --- the top-k fast path (topk instead of a sort) and the sync-free paths ------------------------
+
+def _keys(n, offset=0):
+    seeds = torch.tensor([seed_bits(1000003 * i + offset) for i in range(n)], device=DEVICE)
+    return seeds, torch.arange(n, device=DEVICE) * 3
+
+
+@pytest.mark.parametrize("vocab", [50, 3000])
+def test_the_top_k_fast_path_draws_the_sort_paths_token(vocab):
+    """topk of the group's widest k, each row masking past its own k, top-p inside: the very token the
+    sort path draws with the same (round-0) noise, for small and large k, with and without top-p."""
+    gen = torch.Generator().manual_seed(vocab)
+    ks = [1, 2, 5, 20, 40, 50, 200, 1000, TOP_K_FAST_MAX, 7, 20, 3]
+    ps = [1.0, 0.9, 0.5, 0.95, 1.0, 0.3, 0.9, 0.95, 0.99, 0.05, 1.0, 0.8]
+    for trial in range(5):
+        logits = (2 * torch.randn(len(ks), vocab, generator=gen)).to(DEVICE)
+        logits[-1] = 0.01 * torch.randn(vocab, generator=gen)  # nearly flat: the nucleus fills the top-k
+        temps = (0.3 + 1.5 * torch.rand(len(ks), generator=gen)).to(DEVICE)
+        seeds, counters = _keys(len(ks), trial)
+        fast = _sample_top_k(logits, temps, ks, ps, seeds, counters)
+        slow = _race(_apply_top_k_top_p(logits / temps[:, None], ks, ps), seeds, counters, 0)
+        assert fast.tolist() == slow.tolist(), trial
+        # each row alone (a topk of its own k only) draws the same
+        alone = [_sample_top_k(logits[i : i + 1], temps[i : i + 1], [ks[i]], [ps[i]], seeds[i : i + 1],
+                               counters[i : i + 1]).item() for i in range(len(ks))]
+        assert alone == fast.tolist(), trial
+
+
+def test_paths_follow_the_rows_own_parameters():
+    assert path_of(row(0, t=0.0, k=5, p=0.5)) == "greedy"
+    assert path_of(row(0, k=TOP_K_FAST_MAX)) == "top_k" and path_of(row(0, k=TOP_K_FAST_MAX + 1)) == "top_k_sort"
+    assert path_of(row(0, p=0.95)) == "top_p" and path_of(row(0)) == "plain" and path_of(row(0, k=0)) == "plain"
+
+
+def test_top_k_past_the_cap_follows_the_distribution():
+    """A row with k above the topk cap takes the sort; its draws are still the top-k distribution."""
+    vocab, n = TOP_K_FAST_MAX + 200, 3000
+    logits = torch.full((n, vocab), -30.0)
+    logits[:, :6] = torch.log(torch.tensor(PROBS, dtype=torch.float32))
+    out = sample(logits, [row(i, k=TOP_K_FAST_MAX + 100, seed=5000 + i) for i in range(n)])
+    expected = np.zeros(vocab)
+    expected[:6] = PROBS
+    assert (out < 6).mean() > 0.999  # the -30 tail holds ~1e-10 of the mass
+    counts = np.bincount(out[out < 6], minlength=6)
+    assert chi_square(counts, PROBS) < 40, counts
+
+
+def test_a_flat_distribution_keeps_every_tied_token_in_the_nucleus():
+    """All tokens tie: none is strictly likelier than another, so the nucleus is the whole vocabulary
+    (no rejection, no cut at an arbitrary rank), on the rejection path as on the GPU kernel."""
+    vocab, n = 50, 5000
+    out = sample(torch.zeros(n, vocab), [row(i, p=0.3, seed=77 + i) for i in range(n)])
+    assert chi_square(np.bincount(out, minlength=vocab), np.full(vocab, 1.0 / vocab)) < 110  # 49 d.o.f.
+
+
+def test_top_p_rows_with_a_huge_nucleus_stay_batch_independent():
+    """Nearly flat rows (the nucleus of 0.95 holds thousands of tokens) and peaked rows in one batch:
+    every row draws alone what it draws in the batch, on its own top-p or top-k path."""
+    gen = torch.Generator().manual_seed(5)
+    vocab = 4000
+    logits = 0.05 * torch.randn(6, vocab, generator=gen)
+    logits[3:] = 4 * torch.randn(3, vocab, generator=gen)
+    rows = [row(0, p=0.95, seed=1), row(1, t=0.6, p=0.5, seed=2), row(2, k=1000, p=0.95, seed=3),
+            row(3, p=0.95, seed=4), row(4, t=0.6, p=0.1, seed=5), row(5, k=TOP_K_FAST_MAX, p=0.9, seed=6)]
+    together = sample(logits, rows).tolist()
+    assert together == [sample(logits[i : i + 1], [r])[0] for i, r in enumerate(rows)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host synchronisation is a CUDA matter")
+def test_sampling_never_waits_for_the_gpu():
+    """Every path, alone and mixed, queues without a host sync (async scheduling keeps its overlap):
+    torch raises on any synchronising call in this mode."""
+    vocab = 151_936
+    logits = 2 * torch.randn(64, vocab, device="cuda")
+    logits[60:] = 0.0  # flat rows next to peaked ones: rejections and fallbacks for small top_p
+    logits[60:, 0] = 6.0
+    kinds = [dict(t=0.0), dict(t=0.6), dict(t=0.6, p=0.95), dict(t=1.0, p=0.1), dict(t=0.6, k=20),
+             dict(t=0.6, k=50, p=0.9), dict(t=0.6, k=TOP_K_FAST_MAX + 1, p=0.9)]
+    mixed = [row(i, seed=i, counter=3, **kinds[i % len(kinds)]) for i in range(64)]
+    batches = [mixed] + [[row(i, seed=i, counter=3, **kw) for i in range(64)] for kw in kinds]
+    sampler = Sampler(torch.device("cuda"))
+    for rows in batches:
+        sampler.sample_on_device(logits, rows)  # compile and warm up outside the check
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outs = [sampler.sample_on_device(logits, rows) for rows in batches]
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    assert all(o.shape == (64,) for o in outs)
+    assert outs[0].tolist() == [outs[1 + i % len(kinds)][i].item() for i in range(64)]

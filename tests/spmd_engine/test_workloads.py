@@ -11,6 +11,13 @@ def test_bench_reproduces_the_nano_vllm_workload_to_the_token():
                                      "max_tokens": requests[0].overrides["max_tokens"]}
 
 
+def test_bench_can_measure_the_default_sampling_path():
+    """workload.top_p / top_k set every bench request's sampling (the prompts stay the same)."""
+    plain, nucleus = bench_requests({}), bench_requests({"top_p": 0.95, "top_k": 20})
+    assert all(r.overrides["top_p"] == 0.95 and r.overrides["top_k"] == 20 for r in nucleus)
+    assert [r.prompt_token_ids for r in nucleus] == [r.prompt_token_ids for r in plain]
+
+
 def test_latency_mode_is_one_sequence():
     assert len(bench_requests({"num_seqs": 1})) == 1
 
