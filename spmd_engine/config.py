@@ -26,6 +26,13 @@ class SamplingDefaults:
     max_tokens: int = 256
     ignore_eos: bool = False
     seed: int | None = None
+    # stop conditions and log-probabilities (see SamplingParams); the job-wide defaults of every request
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
 
 @dataclass
@@ -50,6 +57,7 @@ class EngineConfig:
     prompts: list[str] | None = None
     prompts_file: str | None = None
     chat_template: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # options for the chat template, e.g. enable_thinking
     resume: bool = False
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
@@ -105,6 +113,9 @@ class EngineConfig:
         _check(self.startup_timeout_s > 0, f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")
         _check(not (self.prompts is not None and self.prompts_file is not None),
                "give either prompts or prompts_file, not both")
+        _check(self.chat_template_kwargs is None or isinstance(self.chat_template_kwargs, dict),
+               f"chat_template_kwargs must be a group of keys, e.g. '+chat_template_kwargs={{enable_thinking: false}}', "
+               f"got {self.chat_template_kwargs!r}")
         _check(self.workload.name in ("chat", "bench"), f"workload must be chat or bench, got {self.workload.name!r}")
 
 

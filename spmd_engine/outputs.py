@@ -150,6 +150,11 @@ def _short_repr(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+# sampling keys added after rows were first written: a kept row without one had its default
+_LATER_SAMPLING_KEYS = {"stop": None, "stop_token_ids": None, "min_tokens": 0, "include_stop_str_in_output": False,
+                        "logprobs": None, "prompt_logprobs": None}
+
+
 def _row_differs(row: dict, prompt: str | None, prompt_token_ids: list[int] | None,
                  sampling: dict | None) -> str | None:
     kept_prompt = row.get("prompt")
@@ -163,7 +168,7 @@ def _row_differs(row: dict, prompt: str | None, prompt_token_ids: list[int] | No
     kept_sampling = row.get("sampling")
     if isinstance(kept_sampling, dict) and sampling is not None:
         for key in sorted(set(kept_sampling) | set(sampling)):
-            kept, now = kept_sampling.get(key), sampling.get(key)
+            kept, now = kept_sampling.get(key, _LATER_SAMPLING_KEYS.get(key)), sampling.get(key)
             if kept != now and not (kept != kept and now != now):  # NaN (an error row's) is NaN again
                 return f"sampling.{key} differs: kept {kept!r}, now {now!r}"
     return None

@@ -22,7 +22,7 @@ def build_requests(cfg: EngineConfig, tokenizer, vocab_size: int) -> list[Prompt
         requests = read_prompts(list(DEFAULT_PROMPTS), None)
     else:
         requests = read_prompts(cfg.prompts, cfg.prompts_file)
-    tokenize(requests, tokenizer, cfg.chat_template)
+    tokenize(requests, tokenizer, cfg.chat_template, cfg.chat_template_kwargs)
     return requests
 
 
