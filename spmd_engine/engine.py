@@ -25,10 +25,12 @@ import torch
 from models.model_config import ModelShape
 from spmd_engine.block_manager import BlockManager
 from spmd_engine.config import ConfigError, EngineConfig
+from spmd_engine.detokenizer import OutputText
 from spmd_engine.distributed import RankInfo, broadcast_object, gather_errors
 from spmd_engine.faults import FaultInjector
 from spmd_engine.gpu_timeline import GpuTimeline
 from spmd_engine.kv_cache import KVCacheSpec, planned_num_blocks
+from spmd_engine.logits_processors import apply_min_tokens
 from spmd_engine.metrics import KVCapacity
 from spmd_engine.model_runner import ModelRunner, RunnerSettings
 from spmd_engine.model_source import ModelSource, resolve_model_source
@@ -252,6 +254,8 @@ class _Generation:
                             llm.runner.num_blocks, cfg.enable_prefix_caching),
             set(llm.shape.eos_token_ids), kept)
         llm.block_manager = self.scheduler.block_manager
+        self.scheduler.stop_string_check = self._stop_string
+        self.texts: dict[int, OutputText] = {}  # seq_id -> its followed text (requests with stop strings)
         self.builder = PlanBuilder()
         self.sampler = Sampler(llm.device)
         self.generation = llm.step  # tells this generate call's unseeded request seeds from another's
@@ -267,6 +271,9 @@ class _Generation:
             try:
                 params = SamplingParams.from_dict(req.overrides, self.defaults)
                 out.error = validate_prompt(req.prompt_token_ids, self.llm.shape.vocab_size, self.llm.max_model_len)
+                if out.error is None and params.stop and self.decode is None:
+                    out.error = "sampling.stop needs the checkpoint's tokenizer (stop strings are matched on the " \
+                                "text); use stop_token_ids"
             except ValueError as exc:
                 out.error = str(exc)
         if out.error is not None:
@@ -275,6 +282,9 @@ class _Generation:
             return
         seed = params.seed if params.seed is not None else request_seed(self.llm.cfg.seed, self.generation, req.index)
         seq = Sequence(seq_id, req.prompt_token_ids, params, sampling_seed=seed)
+        if params.stop:
+            self.texts[seq_id] = OutputText(self.decode, seq.prompt_token_ids, params.stop,
+                                            params.include_stop_str_in_output)
         self.scheduler.add(seq)
         self.live[seq_id] = (seq, out)
 
@@ -360,6 +370,7 @@ class _Generation:
         # prompt), fixed at scheduling: planning ahead, chunking or preemption cannot shift a draw
         rows = [SamplingRow(s.seq_id, s.params.temperature, s.params.top_p, s.params.top_k, s.sampling_seed,
                             position - s.num_prompt_tokens) for s, position in picked]
+        apply_min_tokens(launched.logits, picked, self.scheduler.eos_token_ids)
         timeline.mark(launched.index, "sample_start")
         tokens = self.sampler.sample_on_device(launched.logits, rows)
         timeline.mark(launched.index, "sample_end")
@@ -380,13 +391,26 @@ class _Generation:
             self._finish(seq)
             self.bar.update(1)
 
+    def _stop_string(self, seq: Sequence, token: int) -> str | None:
+        """The scheduler's stop-string hook: feed the token to the request's text, say what it matched."""
+        text = self.texts.get(seq.seq_id)
+        if text is None:
+            return None
+        match = text.add(token, seq.num_output_tokens >= seq.params.min_tokens)
+        return match.stop if match is not None else None
+
     def _finish(self, seq: Sequence) -> None:
         _, out = self.live.pop(seq.seq_id)
         out.token_ids = list(seq.output_token_ids)
         out.finish_reason = seq.finish_reason
+        out.stop_reason = seq.stop_reason
         out.finish_time = time.perf_counter() - self.start
         out.num_cached_tokens = seq.num_cached_tokens
-        out.text = self.decode(out.token_ids) if self.decode else None
+        followed = self.texts.pop(seq.seq_id, None)
+        if followed is not None and followed.match is not None:
+            out.text = followed.match.text  # cut at the stop string (or just after it)
+        else:
+            out.text = self.decode(out.token_ids) if self.decode else None
         self.on_finish(out)
 
 

@@ -19,6 +19,9 @@ ERROR_ECHO_TOKENS = 64  # first `prompt_token_ids`; `prompt_num_tokens` then hol
 ERROR_TEXT_CHARS = 1000  # the `error` line itself
 
 
+OPTIONAL_FIELDS = ("stop_reason", "custom_id", "logprobs", "prompt_logprobs")
+
+
 @dataclass
 class RequestOutput:
     index: int
@@ -33,11 +36,19 @@ class RequestOutput:
     finish_time: float | None = field(default=None, repr=False)
     token_times: list[float] = field(default_factory=list, repr=False)
     num_cached_tokens: int = field(default=0, repr=False)
+    # written only when set, so rows of requests that use none of them keep their fields
+    stop_reason: str | int | None = None  # the stop string / stop token id that ended it (finish_reason stop)
+    custom_id: str | None = None  # the request's id in an OpenAI batch file
+    logprobs: list[dict] | None = None  # per generated token (sampling.logprobs), see spmd_engine/logprobs.py
+    prompt_logprobs: list[dict | None] | None = None  # per prompt token, None for the first
 
     def to_json(self) -> dict:
         d = asdict(self)
         for k in ("first_token_time", "finish_time", "token_times", "num_cached_tokens"):
             d.pop(k)
+        for k in OPTIONAL_FIELDS:
+            if d[k] is None:
+                d.pop(k)
         if self.finish_reason == "error":
             d.update(error_echo(self.prompt, self.prompt_token_ids))
             if self.error is not None and len(self.error) > ERROR_TEXT_CHARS:
