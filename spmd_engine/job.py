@@ -149,11 +149,12 @@ def _generate(llm: LLM, cfg: EngineConfig, ranks: RankInfo, output_dir: Path | N
     if cfg.workload.name == "bench" and cfg.workload.params.get("warmup", True):
         run_bench_warmup(llm)
     decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer else None
+    token_text = (lambda token: tokenizer.decode([token])) if tokenizer else None  # logprobs' alternatives
     t0 = time.perf_counter()
     try:
         with supervisor.before_exit(writer.quiesce if writer else lambda: None):
             outputs = llm.generate(requests, on_finish=writer.write if writer else None, decode=decode,
-                                   progress=len(requests) > 1)
+                                   progress=len(requests) > 1, token_text=token_text)
     finally:
         if writer is not None:
             writer.close()

@@ -189,7 +189,7 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_pending_tokens:  # preempted while its token was pending: wait for it
                 break
-            bm.allocate_prefix(seq)
+            bm.allocate_prefix(seq, use_cache=seq.params.prompt_logprobs is None)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, token_budget)
             if not bm.ensure_slots(seq, seq.num_computed_tokens + num_new):
                 bm.undo_prefix(seq)
