@@ -59,6 +59,7 @@ class EngineConfig:
     chat_template: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # options for the chat template, e.g. enable_thinking
     resume: bool = False
+    output_format: str = "rows"  # rows (our outputs.jsonl rows) | openai (OpenAI batch output objects)
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gib: float = 2.0
@@ -116,6 +117,10 @@ class EngineConfig:
         _check(self.chat_template_kwargs is None or isinstance(self.chat_template_kwargs, dict),
                f"chat_template_kwargs must be a group of keys, e.g. '+chat_template_kwargs={{enable_thinking: false}}', "
                f"got {self.chat_template_kwargs!r}")
+        _check(self.output_format in ("rows", "openai"),
+               f"output_format must be rows or openai, got {self.output_format!r}")
+        _check(not (self.resume and self.output_format == "openai"),
+               "resume=true needs output_format=rows (a resumed job checks its kept rows' prompts and sampling)")
         _check(self.workload.name in ("chat", "bench"), f"workload must be chat or bench, got {self.workload.name!r}")
 
 

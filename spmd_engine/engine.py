@@ -275,7 +275,8 @@ class _Generation:
         self.requests = requests
 
     def _admit(self, seq_id: int, req: PromptRequest) -> None:
-        out = RequestOutput(req.index, req.prompt, req.prompt_token_ids, None, [], "error", req.error)
+        out = RequestOutput(req.index, req.prompt, req.prompt_token_ids, None, [], "error", req.error,
+                            custom_id=getattr(req, "custom_id", None))
         self.outputs.append(out)
         if out.error is None:
             try:

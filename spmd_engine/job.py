@@ -143,7 +143,13 @@ def _generate(llm: LLM, cfg: EngineConfig, ranks: RankInfo, output_dir: Path | N
         finished = {row["index"] for row in done}
         requests = [r for r in requests if r.index not in finished]
         log.info("resume: %d requests already in %s, %d to run", len(finished), outputs_path, len(requests))
-    writer = OutputsWriter(outputs_path, keep=done, sampling_of=sampling.get) if outputs_path else None
+    final_form = None
+    if cfg.output_format == "openai":
+        from spmd_engine.openai_batch import batch_output
+        kinds = {r.index: r.api for r in requests}
+        final_form = lambda row: batch_output(row, kinds.get(row["index"]), cfg.model.name)  # noqa: E731
+    writer = (OutputsWriter(outputs_path, keep=done, sampling_of=sampling.get, final_form=final_form)
+              if outputs_path else None)
     if gate is not None:
         gate.open()  # everything slow on rank 0 alone is done: the plans follow
     if cfg.workload.name == "bench" and cfg.workload.params.get("warmup", True):

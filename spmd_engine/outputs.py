@@ -85,11 +85,14 @@ class OutputsWriter:
     """Appends finished requests to outputs.jsonl as they finish; `finalize` sorts the file."""
 
     def __init__(self, path: Path, keep: list[dict] | None = None,
-                 sampling_of: Callable[[int], dict | None] | None = None) -> None:
+                 sampling_of: Callable[[int], dict | None] | None = None,
+                 final_form: Callable[[dict], dict] | None = None) -> None:
         """`sampling_of(index)`: the request's sampling parameters, written as the row's `sampling`
-        (what a resumed job checks its kept rows against)."""
+        (what a resumed job checks its kept rows against). `final_form(row)`: what `finalize` writes
+        for each row instead of the row (output_format=openai); lines appended during the run stay rows."""
         self.path = Path(path)
         self.sampling_of = sampling_of
+        self.final_form = final_form
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if keep:
             _rewrite(self.path, keep)
@@ -116,7 +119,8 @@ class OutputsWriter:
         rows = {}
         for row in read_outputs(self.path):
             rows.setdefault(row["index"], row)
-        _rewrite(self.path, [rows[i] for i in sorted(rows)])
+        ordered = [rows[i] for i in sorted(rows)]
+        _rewrite(self.path, [self.final_form(r) for r in ordered] if self.final_form else ordered)
 
     def close(self) -> None:
         if not self._file.closed:

@@ -54,6 +54,7 @@ class PromptRequest:
     messages: list[dict[str, str]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # this line's template options (over the job's)
     custom_id: str | None = None  # the OpenAI batch line's id, echoed in its output row
+    api: str | None = None  # an OpenAI batch line's endpoint: "chat" | "completions" (None: our own line)
 
 
 def _type_name(value: Any) -> str:
@@ -135,12 +136,20 @@ def _messages_problem(messages: Any) -> str | None:
 
 def _request_from_object(obj: Any, index: int, where: str) -> PromptRequest:
     """A request from one parsed object; a problem becomes `error` prefixed with `where`, never an exception."""
+    from spmd_engine.openai_batch import is_batch_line, translate
+
+    custom_id = api = None
+    if is_batch_line(obj):  # the OpenAI batch format: its body in our keys, then the same checks
+        obj, custom_id, api, problem = translate(obj)
+        if problem:
+            return PromptRequest(index, None, None, {}, f"{where}: {problem}", custom_id=custom_id, api=api)
     problem = _problem(obj)
     if problem:
-        return PromptRequest(index, None, None, {}, f"{where}: {problem}")
+        return PromptRequest(index, None, None, {}, f"{where}: {problem}", custom_id=custom_id, api=api)
     overrides = {k: v for k, v in obj.items() if k in OVERRIDE_TYPES}
     return PromptRequest(index, obj.get("prompt"), obj.get("prompt_token_ids"), overrides,
-                         messages=obj.get("messages"), chat_template_kwargs=obj.get("chat_template_kwargs"))
+                         messages=obj.get("messages"), chat_template_kwargs=obj.get("chat_template_kwargs"),
+                         custom_id=custom_id, api=api)
 
 
 def _short(text: str, limit: int = 60) -> str:
