@@ -62,7 +62,7 @@ def run_job(raw_cfg: dict[str, Any], overrides: list[str], ranks: RankInfo, outp
         cfg = agreed(lambda: engine_config_from_dict(raw_cfg))
         run_dir_lock = agreed(lambda: _start_checks(cfg, output_dir, refused) if ranks.is_first else None)
         llm = LLM(cfg, ranks, step_progress=supervisor.progress)
-        metrics.update(_generate(llm, cfg, ranks, output_dir, supervisor))
+        metrics.update(_generate(llm, cfg, ranks, output_dir, supervisor, overrides))
         metrics["status"] = "ok"
     except ConfigError as exc:  # every rank raises it (engine.agreed) or none does
         supervisor.detach()
@@ -114,7 +114,11 @@ def _write(metrics: dict, raw_cfg: dict, ranks: RankInfo, output_dir: Path | Non
 
 
 def _generate(llm: LLM, cfg: EngineConfig, ranks: RankInfo, output_dir: Path | None,
-              supervisor: Supervisor) -> dict:
+              supervisor: Supervisor, overrides: list[str] | None = None) -> dict:
+    from spmd_engine.generation_defaults import apply_generation_config, explicit_sampling_keys
+    # the checkpoint's generation_config.json under the command line's sampling.* keys (every rank alike)
+    cfg.sampling = agreed(lambda: apply_generation_config(cfg.sampling, llm.source.checkpoint_dir,
+                                                          explicit_sampling_keys(overrides or [])))
     gate = supervisor.start_gate()
     llm.faults.before_requests()
     if not ranks.is_first:
