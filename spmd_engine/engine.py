@@ -30,7 +30,7 @@ from spmd_engine.distributed import RankInfo, broadcast_object, gather_errors
 from spmd_engine.faults import FaultInjector
 from spmd_engine.gpu_timeline import GpuTimeline
 from spmd_engine.kv_cache import KVCacheSpec, planned_num_blocks
-from spmd_engine.logits_processors import apply_min_tokens
+from spmd_engine.logits_processors import apply_min_tokens, apply_penalties_and_min_p
 from spmd_engine.logprobs import PendingLogprobs, SampledLogprobRows, compute_logprobs, entry, prompt_logit_count
 from spmd_engine.metrics import KVCapacity
 from spmd_engine.model_runner import ModelRunner, RunnerSettings
@@ -388,6 +388,7 @@ class _Generation:
         # logprobs of the raw logits, before any transform (None and no work when no row asks)
         wanted = SampledLogprobRows.take(launched.logits, [s.params.logprobs for s in seqs])
         apply_min_tokens(launched.logits, picked, self.scheduler.eos_token_ids)
+        apply_penalties_and_min_p(launched.logits, picked)
         timeline.mark(launched.index, "sample_start")
         tokens = self.sampler.sample_on_device(launched.logits, rows)
         timeline.mark(launched.index, "sample_end")

@@ -16,9 +16,9 @@ from typing import Any
 log = logging.getLogger("spmd_engine")
 
 # generation_config.json keys that become sampling defaults (those this engine's sampler supports)
-SUPPORTED_KEYS = ("temperature", "top_p", "top_k")
-# keys vLLM also takes from there; without the transform they are reported, never silently applied
-UNSUPPORTED_KEYS = ("repetition_penalty", "min_p")
+SUPPORTED_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty", "min_p")
+# keys other engines take from there that this one does not (reported, never silently applied)
+UNSUPPORTED_KEYS: tuple[str, ...] = ()
 
 
 def explicit_sampling_keys(overrides: list[str]) -> set[str]:

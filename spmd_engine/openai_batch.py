@@ -19,12 +19,14 @@ _COMMON = {"max_tokens": "max_tokens", "temperature": "temperature", "top_p": "t
            "seed": "seed", "model": None, "user": None,
            # vLLM's extra sampling fields, accepted in bodies as vLLM's server does
            "top_k": "top_k", "min_tokens": "min_tokens", "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids",
-           "include_stop_str_in_output": "include_stop_str_in_output", "prompt_logprobs": "prompt_logprobs"}
+           "include_stop_str_in_output": "include_stop_str_in_output", "prompt_logprobs": "prompt_logprobs",
+           "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+           "repetition_penalty": "repetition_penalty", "min_p": "min_p"}
 CHAT_FIELDS = {**_COMMON, "messages": "messages", "max_completion_tokens": "max_tokens",
                "chat_template_kwargs": "chat_template_kwargs"}
 COMPLETION_FIELDS = {**_COMMON, "prompt": "prompt"}
 # fields whose value is accepted only when it asks for nothing we would have to ignore
-_NEUTRAL = {"n": 1, "stream": False, "echo": False, "frequency_penalty": 0, "presence_penalty": 0}
+_NEUTRAL = {"n": 1, "stream": False, "echo": False}
 
 
 def _neutral(key: str, value: Any) -> bool:

@@ -167,7 +167,8 @@ def _short_repr(value: Any, limit: int = 60) -> str:
 
 # sampling keys added after rows were first written: a kept row without one had its default
 _LATER_SAMPLING_KEYS = {"stop": None, "stop_token_ids": None, "min_tokens": 0, "include_stop_str_in_output": False,
-                        "logprobs": None, "prompt_logprobs": None}
+                        "logprobs": None, "prompt_logprobs": None, "min_p": 0.0, "repetition_penalty": 1.0,
+                        "presence_penalty": 0.0, "frequency_penalty": 0.0}
 
 
 def _row_differs(row: dict, prompt: str | None, prompt_token_ids: list[int] | None,

@@ -36,6 +36,10 @@ OVERRIDE_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "include_stop_str_in_output": ((bool,), "true or false"),
     "logprobs": ((int, type(None)), "an integer or null"),
     "prompt_logprobs": ((int, type(None)), "an integer or null"),
+    "min_p": ((int, float), "a number"),
+    "repetition_penalty": ((int, float), "a number"),
+    "presence_penalty": ((int, float), "a number"),
+    "frequency_penalty": ((int, float), "a number"),
 }
 REQUEST_KEYS = ("chat_template_kwargs",)  # per-request keys that are neither the prompt nor sampling
 NO_TOKENIZER_ERROR = "prompt text given but the checkpoint has no tokenizer; pass prompt_token_ids"

@@ -47,6 +47,17 @@ class SamplingParams:
     # log-probabilities: the top-k alternatives per generated token / per prompt position (None = off)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # logit transforms (vLLM semantics, spmd_engine/logits_processors.py): min_p keeps tokens with
+    # p >= min_p * p_max; repetition_penalty divides positive / multiplies negative logits of tokens in
+    # the prompt or output; frequency / presence penalties subtract per output occurrence / once
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # one string is a list of one (as in vLLM and OpenAI)
@@ -81,6 +92,14 @@ class SamplingParams:
         if not isinstance(self.include_stop_str_in_output, bool):
             raise ValueError("sampling.include_stop_str_in_output must be true or false, got "
                              f"{self.include_stop_str_in_output!r}")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"sampling.min_p must be in [0, 1], got {self.min_p!r}")
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"sampling.repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                raise ValueError(f"sampling.{name} must be in [-2, 2], got {value!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
@@ -105,7 +124,7 @@ class SamplingParams:
         base = defaults if defaults is not None else cls()
         values = dict(overrides)
         # JSON and YAML give ints for floats like 1; keep the float fields float.
-        for name in ("temperature", "top_p"):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             if _is_int(values.get(name)):
                 values[name] = float(values[name])
         return dataclasses.replace(base, **values).validate()

@@ -39,5 +39,5 @@ def test_generation_config_defaults_applied_and_overridden(tiny_qwen3: Path, tmp
     assert (cli["sampling"]["temperature"], cli["sampling"]["top_p"], cli["sampling"]["top_k"]) == (0.0, 0.8, 20)
     logged = runs[0].stdout + runs[0].stderr
     assert "sampling defaults from" in logged and "temperature=0.7" in logged
-    assert "repetition_penalty=1.1" in logged  # named, not silently applied
+    assert auto["sampling"]["repetition_penalty"] == 1.1 and "repetition_penalty=1.1" in logged
     assert "command line keeps temperature" in runs[1].stdout + runs[1].stderr
