@@ -31,7 +31,8 @@ from spmd_engine.faults import FaultInjector
 from spmd_engine.gpu_timeline import GpuTimeline
 from spmd_engine.kv_cache import KVCacheSpec, planned_num_blocks
 from spmd_engine.logits_processors import apply_min_tokens, apply_penalties_and_min_p
-from spmd_engine.logprobs import PendingLogprobs, SampledLogprobRows, compute_logprobs, entry, prompt_logit_count
+from spmd_engine.logprobs import (PendingLogprobs, SampledLogprobRows, compute_logprobs, entry, host_to_device,
+                                  prompt_logit_count)
 from spmd_engine.metrics import KVCapacity
 from spmd_engine.model_runner import ModelRunner, RunnerSettings
 from spmd_engine.model_source import ModelSource, resolve_model_source
@@ -408,7 +409,7 @@ class _Generation:
                 spans.append((seq, start, count))
                 targets.extend(seq.token_ids[start + 1:start + 1 + count])  # position p predicts token p + 1
         k = max(seq.params.prompt_logprobs for seq, _, _ in spans)
-        tokens = torch.tensor(targets, dtype=torch.int64).to(logits.device)
+        tokens = host_to_device(targets, logits.device)
         return _PromptLogprobs(spans, compute_logprobs(logits, tokens, k))
 
     def _record_logprobs(self, sampled: "_Sampled", tokens: np.ndarray) -> None:

@@ -23,6 +23,16 @@ import torch
 from spmd_engine.sequence import Sequence
 
 
+def host_to_device(values, device: torch.device) -> torch.Tensor:
+    """Small int64 index data on `device` without waiting for the GPU (pinned, non-blocking: a pageable
+    copy would wait for the queued forward)."""
+    host = torch.as_tensor(np.asarray(values, dtype=np.int64))
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+
+
+LOGPROB_ROWS_PER_CHUNK = 1024  # prompt rows log-softmaxed at a time: bounds the extra [rows, vocab] memory
+
+
 def prompt_logit_count(seq: Sequence, start: int, num_new: int) -> int:
     """How many positions of the chunk [start, start + num_new) predict a prompt token (positions
     0 .. num_prompt_tokens - 2), for a request with prompt_logprobs; 0 otherwise."""
@@ -57,15 +67,21 @@ class PendingLogprobs:
 
 @torch.inference_mode()
 def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> PendingLogprobs:
-    """logits [R, V] (raw, float32), tokens [R] -> each token's logprob and the top-k (k may be 0)."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logprobs.gather(1, tokens.view(-1, 1).to(torch.int64)).squeeze(1)
-    if k > 0:
-        top_logprobs, top_ids = logprobs.topk(k, dim=-1)
-    else:
-        top_logprobs = logprobs.new_zeros(logprobs.shape[0], 0)
-        top_ids = torch.zeros(logprobs.shape[0], 0, dtype=torch.int64, device=logprobs.device)
-    return PendingLogprobs(chosen, top_ids, top_logprobs)
+    """logits [R, V] (raw, float32), tokens [R] -> each token's logprob and the top-k (k may be 0);
+    in row chunks, so a long prompt chunk needs one chunk's log-softmax at a time, not a second [R, V]."""
+    chosen, top_ids, top_logprobs = [], [], []
+    for lo in range(0, logits.shape[0], LOGPROB_ROWS_PER_CHUNK):
+        logprobs = torch.log_softmax(logits[lo:lo + LOGPROB_ROWS_PER_CHUNK].float(), dim=-1)
+        mine = tokens[lo:lo + LOGPROB_ROWS_PER_CHUNK].view(-1, 1).to(torch.int64)
+        chosen.append(logprobs.gather(1, mine).squeeze(1))
+        if k > 0:
+            values, ids = logprobs.topk(k, dim=-1)
+        else:
+            values = logprobs.new_zeros(logprobs.shape[0], 0)
+            ids = torch.zeros(logprobs.shape[0], 0, dtype=torch.int64, device=logprobs.device)
+        top_logprobs.append(values)
+        top_ids.append(ids)
+    return PendingLogprobs(torch.cat(chosen), torch.cat(top_ids), torch.cat(top_logprobs))
 
 
 @dataclass
@@ -84,14 +100,14 @@ class SampledLogprobRows:
         if not rows or logits is None:
             return None
         with torch.inference_mode():
-            picked = logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows, device=logits.device)]
+            picked = logits if len(rows) == logits.shape[0] else logits[host_to_device(rows, logits.device)]
             logprobs = torch.log_softmax(picked.float(), dim=-1)
         return SampledLogprobRows(rows, logprobs, max(wanted[i] for i in rows))
 
     @torch.inference_mode()
     def finish(self, tokens: torch.Tensor) -> PendingLogprobs:
         """Gather the sampled tokens' logprobs and the top-k (queued, no wait)."""
-        mine = tokens if len(self.rows) == tokens.shape[0] else tokens[torch.tensor(self.rows, device=tokens.device)]
+        mine = tokens if len(self.rows) == tokens.shape[0] else tokens[host_to_device(self.rows, tokens.device)]
         chosen = self.logprobs.gather(1, mine.view(-1, 1).to(torch.int64)).squeeze(1)
         top_logprobs, top_ids = self.logprobs.topk(self.k, dim=-1) if self.k else (
             self.logprobs.new_zeros(len(self.rows), 0),

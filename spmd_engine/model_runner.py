@@ -18,7 +18,7 @@ from spmd_engine.forward_batch import ForwardBatch, HostBatch, build_host_batch,
 from spmd_engine.input_buffers import InputBuffers
 from spmd_engine.kv_cache import (FP8_CALIBRATION_TOKENS, CudaMemoryBudget, KVCacheSpec, allocate_kv_cache,
                                   bind_kv_scales, blocks_for_bytes, calibrate_fp8_kv_scales, planned_num_blocks)
-from spmd_engine.logprobs import prompt_logit_rows
+from spmd_engine.logprobs import host_to_device, prompt_logit_rows
 from spmd_engine.plan import BlockTableMirror, StepPlan
 
 log = logging.getLogger(__name__)
@@ -196,7 +196,7 @@ class ModelRunner:
                                  ) -> torch.Tensor | None:
         """Sampled rows' logits (returned) and the prompt rows' (kept in last_prompt_logits on rank 0);
         every rank runs the same LM head rows (a collective gather under tensor parallelism)."""
-        prompt_rows = torch.from_numpy(prompt_logit_rows(plan.query_lens, plan.prompt_logits)).to(self.device)
+        prompt_rows = host_to_device(prompt_logit_rows(plan.query_lens, plan.prompt_logits), self.device)
         num_sampled = sample_rows.numel()
         logits = self.model.compute_logits(hidden.index_select(0, torch.cat([sample_rows, prompt_rows])))
         if logits is None:

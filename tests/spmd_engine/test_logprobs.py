@@ -45,7 +45,8 @@ def test_prompt_logit_rows_take_each_sequences_leading_tokens():
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
-def test_logprobs_and_prompt_logprobs_equal_hf(tiny, async_scheduling):
+def test_logprobs_and_prompt_logprobs_equal_hf(tiny, async_scheduling, monkeypatch):
+    monkeypatch.setattr("spmd_engine.logprobs.LOGPROB_ROWS_PER_CHUNK", 3)  # several row chunks per step
     llm = _llm(tiny, async_scheduling=async_scheduling, max_num_batched_tokens=8, enable_prefix_caching=True)
     try:
         llm.generate([PromptRequest(0, None, PROMPTS[0])])  # fills the prefix cache: prompt logprobs must skip it

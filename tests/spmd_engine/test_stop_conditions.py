@@ -137,3 +137,13 @@ def test_stop_token_ids_and_min_tokens(tiny):
     assert stop_token not in later.token_ids[:first + 2]
     assert later.finish_reason == "length" or later.token_ids[-1] == stop_token
     assert len(later.token_ids) >= first + 2
+
+
+def test_job_wide_stop_keys_from_the_config():
+    from spmd_engine.config import ConfigError
+    base = {"model": {"name": "dummy", "load_format": "dummy", "hf_config": {}}}
+    cfg = engine_config_from_dict({**base, "sampling": {"stop": "###", "stop_token_ids": [7], "min_tokens": 2,
+                                                        "logprobs": 1}})
+    assert (cfg.sampling.stop, cfg.sampling.stop_token_ids, cfg.sampling.min_tokens) == (["###"], [7], 2)
+    with pytest.raises(ConfigError, match="sampling.min_tokens"):
+        engine_config_from_dict({**base, "sampling": {"min_tokens": 300}})
