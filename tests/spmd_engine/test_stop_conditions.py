@@ -147,3 +147,13 @@ def test_job_wide_stop_keys_from_the_config():
     assert (cfg.sampling.stop, cfg.sampling.stop_token_ids, cfg.sampling.min_tokens) == (["###"], [7], 2)
     with pytest.raises(ConfigError, match="sampling.min_tokens"):
         engine_config_from_dict({**base, "sampling": {"min_tokens": 300}})
+
+
+def test_stop_strings_without_a_tokenizer_are_one_error_row(tiny):
+    llm = _llm(tiny, 4)
+    try:
+        bad, good = llm.generate([PromptRequest(0, None, [5, 6], {"stop": "x"}), PromptRequest(1, None, [5, 6])])
+    finally:
+        llm.close()
+    assert bad.finish_reason == "error" and "sampling.stop needs the checkpoint's tokenizer" in bad.error
+    assert good.error is None and len(good.token_ids) == 4
