@@ -41,7 +41,7 @@ class IncrementalDetokenizer:
         now = self.decode(self._ids[self._prefix:])
         if len(now) <= len(before) or now.endswith(INCOMPLETE):
             return ""
-        delta = now[len(before):] if now.startswith(before) else now[len(before):]
+        delta = now[len(before):]
         self.text += delta
         # the next window starts at this piece: bounded, whatever the output's length
         del self._ids[:self._read]

@@ -175,12 +175,12 @@ class PlanBuilder:
                 deferred_positions.append(len(inputs))
                 deferred_rows.append(row)
                 inputs.append(0)
-        prompt_counts = [prompt_logit_count(s, start, n) for s, start, n in
-                         zip(output.seqs, output.num_computed_before, output.num_new_tokens)
-                         if s.params.prompt_logprobs is not None]
-        prompt_logits = (np.asarray([prompt_logit_count(s, start, n) for s, start, n in
-                                     zip(output.seqs, output.num_computed_before, output.num_new_tokens)],
-                                    dtype=np.int32) if any(prompt_counts) else _empty(np.int32))
+        prompt_logits = _empty(np.int32)  # stays empty unless a request of the step asked for prompt logprobs
+        if any(s.params.prompt_logprobs is not None for s in output.seqs):
+            counts = [prompt_logit_count(s, start, n) for s, start, n in
+                      zip(output.seqs, output.num_computed_before, output.num_new_tokens)]
+            if any(counts):
+                prompt_logits = np.asarray(counts, dtype=np.int32)
         prev_sampled = self._num_sampled
         sampled_ids = [s.seq_id for s, flag in zip(output.seqs, output.sample) if flag]
         self._sample_rows = {sid: row for row, sid in enumerate(sampled_ids)}
