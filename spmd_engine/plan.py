@@ -177,10 +177,10 @@ class PlanBuilder:
                 inputs.append(0)
         prompt_logits = _empty(np.int32)  # stays empty unless a request of the step asked for prompt logprobs
         if any(s.params.prompt_logprobs is not None for s in output.seqs):
-            counts = [prompt_logit_count(s, start, n) for s, start, n in
-                      zip(output.seqs, output.num_computed_before, output.num_new_tokens)]
-            if any(counts):
-                prompt_logits = np.asarray(counts, dtype=np.int32)
+            prompt_counts = [prompt_logit_count(s, start, n) for s, start, n in
+                             zip(output.seqs, output.num_computed_before, output.num_new_tokens)]
+            if any(prompt_counts):
+                prompt_logits = np.asarray(prompt_counts, dtype=np.int32)
         prev_sampled = self._num_sampled
         sampled_ids = [s.seq_id for s, flag in zip(output.seqs, output.sample) if flag]
         self._sample_rows = {sid: row for row, sid in enumerate(sampled_ids)}
