@@ -50,7 +50,7 @@ def bench_requests(params: dict) -> list[PromptRequest]:
     max_tokens = [rng.randint(lo_out, hi_out) for _ in range(n)]
     # nano-vllm samples with temperature alone: no nucleus or top-k, whatever sampling.* says
     overrides = {"temperature": float(params.get("temperature", 0.6)), "top_p": 1.0, "top_k": -1,
-                 "ignore_eos": True}
+                 "ignore_eos": True, "min_p": 0.0, "repetition_penalty": 1.0}  # nor a checkpoint's defaults
     return [PromptRequest(i, None, p, {**overrides, "max_tokens": m}) for i, (p, m) in enumerate(zip(prompts, max_tokens))]
 
 
