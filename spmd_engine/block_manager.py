@@ -76,7 +76,7 @@ class BlockManager:
         block = self.blocks[block_id]
         return block.hash is not None and self._hash_to_block.get(block.hash) == block_id
 
-    def allocate_prefix(self, seq: Sequence) -> int:
+    def allocate_prefix(self, seq: Sequence, use_cache: bool = True) -> int:
         """Give a newly admitted sequence the cached blocks of its longest computed prefix.
 
         Never matches the block holding the last token, so at least one token is computed (the
@@ -86,7 +86,7 @@ class BlockManager:
         if seq.block_table:
             raise RuntimeError(f"seq {seq.seq_id} already holds blocks; allocate_prefix is for admission")
         num_hit_blocks, parent = 0, None
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and use_cache:  # not: every position must be computed (prompt logprobs)
             max_blocks = (seq.num_tokens - 1) // self.block_size
             for i in range(max_blocks):
                 tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]

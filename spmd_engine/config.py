@@ -26,6 +26,17 @@ class SamplingDefaults:
     max_tokens: int = 256
     ignore_eos: bool = False
     seed: int | None = None
+    # stop conditions and log-probabilities (see SamplingParams); the job-wide defaults of every request
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
 
 @dataclass
@@ -50,7 +61,9 @@ class EngineConfig:
     prompts: list[str] | None = None
     prompts_file: str | None = None
     chat_template: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # options for the chat template, e.g. enable_thinking
     resume: bool = False
+    output_format: str = "rows"  # rows (our outputs.jsonl rows) | openai (OpenAI batch output objects)
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gib: float = 2.0
@@ -105,6 +118,13 @@ class EngineConfig:
         _check(self.startup_timeout_s > 0, f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")
         _check(not (self.prompts is not None and self.prompts_file is not None),
                "give either prompts or prompts_file, not both")
+        _check(self.chat_template_kwargs is None or isinstance(self.chat_template_kwargs, dict),
+               f"chat_template_kwargs must be a group of keys, e.g. '+chat_template_kwargs={{enable_thinking: false}}', "
+               f"got {self.chat_template_kwargs!r}")
+        _check(self.output_format in ("rows", "openai"),
+               f"output_format must be rows or openai, got {self.output_format!r}")
+        _check(not (self.resume and self.output_format == "openai"),
+               "resume=true needs output_format=rows (a resumed job checks its kept rows' prompts and sampling)")
         _check(self.workload.name in ("chat", "bench"), f"workload must be chat or bench, got {self.workload.name!r}")
 
 

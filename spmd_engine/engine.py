@@ -25,10 +25,14 @@ import torch
 from models.model_config import ModelShape
 from spmd_engine.block_manager import BlockManager
 from spmd_engine.config import ConfigError, EngineConfig
+from spmd_engine.detokenizer import OutputText
 from spmd_engine.distributed import RankInfo, broadcast_object, gather_errors
 from spmd_engine.faults import FaultInjector
 from spmd_engine.gpu_timeline import GpuTimeline
 from spmd_engine.kv_cache import KVCacheSpec, planned_num_blocks
+from spmd_engine.logits_processors import apply_min_tokens, apply_penalties_and_min_p
+from spmd_engine.logprobs import (PendingLogprobs, SampledLogprobRows, compute_logprobs, entry, host_to_device,
+                                  prompt_logit_count)
 from spmd_engine.metrics import KVCapacity
 from spmd_engine.model_runner import ModelRunner, RunnerSettings
 from spmd_engine.model_source import ModelSource, resolve_model_source
@@ -208,12 +212,17 @@ class LLM:
 
     # --- generation -----------------------------------------------------------------------
     def generate(self, requests: list[PromptRequest], on_finish: Callable[[RequestOutput], None] | None = None,
-                 decode: Callable[[list[int]], str] | None = None, progress: bool = False) -> list[RequestOutput]:
-        """Collective: rank 0 returns one RequestOutput per request (submission order); others []."""
+                 decode: Callable[[list[int]], str] | None = None, progress: bool = False,
+                 token_text: Callable[[int], str] | None = None) -> list[RequestOutput]:
+        """Collective: rank 0 returns one RequestOutput per request (submission order); others [].
+
+        `token_text(id)`: one token's text, for the alternatives of logprobs (None: decode([id]))."""
         if not self.ranks.is_first:
             self._follow_plans()
             return []
-        return _Generation(self, requests, on_finish, decode, progress).run()
+        generation = _Generation(self, requests, on_finish, decode, progress)
+        generation.token_text = token_text or ((lambda t: decode([t])) if decode else None)
+        return generation.run()
 
     def _follow_plans(self) -> None:
         first = True
@@ -252,6 +261,12 @@ class _Generation:
                             llm.runner.num_blocks, cfg.enable_prefix_caching),
             set(llm.shape.eos_token_ids), kept)
         llm.block_manager = self.scheduler.block_manager
+        self.scheduler.stop_string_check = self._stop_string
+        self.texts: dict[int, OutputText] = {}  # seq_id -> its followed text (requests with stop strings)
+        self.token_text: Callable[[int], str] | None = None
+        # seq_id -> entries of requests with logprobs / prompt_logprobs (spmd_engine/logprobs.py)
+        self.logprobs: dict[int, list[dict]] = {}
+        self.prompt_logprobs: dict[int, list[dict | None]] = {}
         self.builder = PlanBuilder()
         self.sampler = Sampler(llm.device)
         self.generation = llm.step  # tells this generate call's unseeded request seeds from another's
@@ -261,12 +276,16 @@ class _Generation:
         self.requests = requests
 
     def _admit(self, seq_id: int, req: PromptRequest) -> None:
-        out = RequestOutput(req.index, req.prompt, req.prompt_token_ids, None, [], "error", req.error)
+        out = RequestOutput(req.index, req.prompt, req.prompt_token_ids, None, [], "error", req.error,
+                            custom_id=getattr(req, "custom_id", None))
         self.outputs.append(out)
         if out.error is None:
             try:
                 params = SamplingParams.from_dict(req.overrides, self.defaults)
                 out.error = validate_prompt(req.prompt_token_ids, self.llm.shape.vocab_size, self.llm.max_model_len)
+                if out.error is None and params.stop and self.decode is None:
+                    out.error = "sampling.stop needs the checkpoint's tokenizer (stop strings are matched on the " \
+                                "text); use stop_token_ids"
             except ValueError as exc:
                 out.error = str(exc)
         if out.error is not None:
@@ -275,6 +294,13 @@ class _Generation:
             return
         seed = params.seed if params.seed is not None else request_seed(self.llm.cfg.seed, self.generation, req.index)
         seq = Sequence(seq_id, req.prompt_token_ids, params, sampling_seed=seed)
+        if params.logprobs is not None:
+            self.logprobs[seq_id] = []
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs[seq_id] = [None] * len(req.prompt_token_ids)
+        if params.stop:
+            self.texts[seq_id] = OutputText(self.decode, seq.prompt_token_ids, params.stop,
+                                            params.include_stop_str_in_output)
         self.scheduler.add(seq)
         self.live[seq_id] = (seq, out)
 
@@ -322,7 +348,7 @@ class _Generation:
             logits = llm.runner.launch(staged, sampled.tokens if sampled is not None else None)
             timeline.mark(steps, "forward_end")
             llm.step_progress.forward_issued()
-            launched = _Launched(schedule, logits, steps)
+            launched = _Launched(schedule, logits, steps, self._queue_prompt_logprobs(schedule))
             t7 = time.perf_counter()
             if not self.llm.cfg.async_scheduling:
                 sampled, launched = self._sample(launched, timeline), None
@@ -355,17 +381,63 @@ class _Generation:
                   zip(schedule.seqs, schedule.num_computed_before, schedule.num_new_tokens, schedule.sample) if flag]
         seqs = [s for s, _ in picked]
         if not seqs:
-            return _Sampled(schedule, [], None, None)
+            return _Sampled(schedule, [], None, None, prompt_logprobs=launched.prompt_logprobs)
         # the counter is the index of the drawn token within the output (its position minus the
         # prompt), fixed at scheduling: planning ahead, chunking or preemption cannot shift a draw
         rows = [SamplingRow(s.seq_id, s.params.temperature, s.params.top_p, s.params.top_k, s.sampling_seed,
                             position - s.num_prompt_tokens) for s, position in picked]
+        # logprobs of the raw logits, before any transform (None and no work when no row asks)
+        wanted = SampledLogprobRows.take(launched.logits, [s.params.logprobs for s in seqs])
+        apply_min_tokens(launched.logits, picked, self.scheduler.eos_token_ids)
+        apply_penalties_and_min_p(launched.logits, picked)
         timeline.mark(launched.index, "sample_start")
         tokens = self.sampler.sample_on_device(launched.logits, rows)
         timeline.mark(launched.index, "sample_end")
-        return _Sampled(schedule, seqs, tokens, TokenReadback(tokens))
+        pending = (wanted.rows, wanted.finish(tokens)) if wanted is not None else None
+        return _Sampled(schedule, seqs, tokens, TokenReadback(tokens), pending, launched.prompt_logprobs)
+
+    def _queue_prompt_logprobs(self, schedule: ScheduleOutput) -> "_PromptLogprobs | None":
+        """Prompt logprobs of a launched step's prompt rows (rank 0; None when no request asked)."""
+        logits = getattr(self.llm.runner, "last_prompt_logits", None)
+        if logits is None:
+            return None
+        spans: list[tuple[Sequence, int, int]] = []
+        targets: list[int] = []
+        for seq, start, num_new in zip(schedule.seqs, schedule.num_computed_before, schedule.num_new_tokens):
+            count = prompt_logit_count(seq, start, num_new)
+            if count:
+                spans.append((seq, start, count))
+                targets.extend(seq.token_ids[start + 1:start + 1 + count])  # position p predicts token p + 1
+        k = max(seq.params.prompt_logprobs for seq, _, _ in spans)
+        tokens = host_to_device(targets, logits.device)
+        return _PromptLogprobs(spans, compute_logprobs(logits, tokens, k))
+
+    def _record_logprobs(self, sampled: "_Sampled", tokens: np.ndarray) -> None:
+        """Read back a step's logprobs (only when some request asked: this waits for them); a token a
+        finished sequence drops (a speculative step's) gets none."""
+        if sampled.logprobs is not None:
+            rows, pending = sampled.logprobs
+            chosen, top_ids, top_lps = pending.host()
+            for i, row in enumerate(rows):
+                seq = sampled.seqs[row]
+                entries = self.logprobs.get(seq.seq_id)
+                if entries is not None and not seq.is_finished:
+                    entries.append(entry(int(tokens[row]), chosen[i], top_ids[i], top_lps[i], seq.params.logprobs,
+                                         self.token_text))
+        if sampled.prompt_logprobs is not None:
+            chosen, top_ids, top_lps = sampled.prompt_logprobs.pending.host()
+            i = 0
+            for seq, start, count in sampled.prompt_logprobs.spans:
+                entries = self.prompt_logprobs.get(seq.seq_id)
+                for p in range(start, start + count):
+                    if entries is not None:
+                        entries[p + 1] = entry(seq.token_ids[p + 1], chosen[i], top_ids[i], top_lps[i],
+                                               seq.params.prompt_logprobs, self.token_text)
+                    i += 1
 
     def _postprocess(self, sampled: _Sampled, tokens: np.ndarray) -> None:
+        if sampled.logprobs is not None or sampled.prompt_logprobs is not None:
+            self._record_logprobs(sampled, tokens)
         now = time.perf_counter() - self.start
         by_seq: dict[int, int] = {}
         for seq, token in zip(sampled.seqs, tokens):
@@ -380,13 +452,28 @@ class _Generation:
             self._finish(seq)
             self.bar.update(1)
 
+    def _stop_string(self, seq: Sequence, token: int) -> str | None:
+        """The scheduler's stop-string hook: feed the token to the request's text, say what it matched."""
+        text = self.texts.get(seq.seq_id)
+        if text is None:
+            return None
+        match = text.add(token, seq.num_output_tokens >= seq.params.min_tokens)
+        return match.stop if match is not None else None
+
     def _finish(self, seq: Sequence) -> None:
         _, out = self.live.pop(seq.seq_id)
         out.token_ids = list(seq.output_token_ids)
         out.finish_reason = seq.finish_reason
+        out.stop_reason = seq.stop_reason
+        out.logprobs = self.logprobs.pop(seq.seq_id, None)
+        out.prompt_logprobs = self.prompt_logprobs.pop(seq.seq_id, None)
         out.finish_time = time.perf_counter() - self.start
         out.num_cached_tokens = seq.num_cached_tokens
-        out.text = self.decode(out.token_ids) if self.decode else None
+        followed = self.texts.pop(seq.seq_id, None)
+        if followed is not None and followed.match is not None:
+            out.text = followed.match.text  # cut at the stop string (or just after it)
+        else:
+            out.text = self.decode(out.token_ids) if self.decode else None
         self.on_finish(out)
 
 
@@ -397,6 +484,15 @@ class _Launched:
     schedule: ScheduleOutput
     logits: torch.Tensor | None
     index: int  # step number within this generate call
+    prompt_logprobs: "_PromptLogprobs | None" = None  # queued on the device (requests with prompt_logprobs)
+
+
+@dataclass
+class _PromptLogprobs:
+    """A step's prompt logprobs: per sequence (seq, first position, count), rows in that order."""
+
+    spans: list[tuple[Sequence, int, int]]
+    pending: PendingLogprobs
 
 
 @dataclass
@@ -407,6 +503,8 @@ class _Sampled:
     seqs: list[Sequence]  # the sampled rows, in order
     tokens: torch.Tensor | None  # [len(seqs)] on the device; None when the step sampled nothing
     readback: TokenReadback | None
+    logprobs: tuple[list[int], PendingLogprobs] | None = None  # (rows of seqs, their logprobs) if any asked
+    prompt_logprobs: _PromptLogprobs | None = None
 
     def host_tokens(self) -> np.ndarray:
         """Waits for the GPU up to this step's sampling."""

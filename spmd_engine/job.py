@@ -62,7 +62,7 @@ def run_job(raw_cfg: dict[str, Any], overrides: list[str], ranks: RankInfo, outp
         cfg = agreed(lambda: engine_config_from_dict(raw_cfg))
         run_dir_lock = agreed(lambda: _start_checks(cfg, output_dir, refused) if ranks.is_first else None)
         llm = LLM(cfg, ranks, step_progress=supervisor.progress)
-        metrics.update(_generate(llm, cfg, ranks, output_dir, supervisor))
+        metrics.update(_generate(llm, cfg, ranks, output_dir, supervisor, overrides))
         metrics["status"] = "ok"
     except ConfigError as exc:  # every rank raises it (engine.agreed) or none does
         supervisor.detach()
@@ -126,7 +126,11 @@ def _write(metrics: dict, raw_cfg: dict, ranks: RankInfo, output_dir: Path | Non
 
 
 def _generate(llm: LLM, cfg: EngineConfig, ranks: RankInfo, output_dir: Path | None,
-              supervisor: Supervisor) -> dict:
+              supervisor: Supervisor, overrides: list[str] | None = None) -> dict:
+    from spmd_engine.generation_defaults import apply_generation_config, explicit_sampling_keys
+    # the checkpoint's generation_config.json under the command line's sampling.* keys (every rank alike)
+    cfg.sampling = agreed(lambda: apply_generation_config(cfg.sampling, llm.source.checkpoint_dir,
+                                                          explicit_sampling_keys(overrides or [])))
     gate = supervisor.start_gate()
     llm.faults.before_requests()
     if not ranks.is_first:
@@ -155,17 +159,24 @@ def _generate(llm: LLM, cfg: EngineConfig, ranks: RankInfo, output_dir: Path | N
         finished = {row["index"] for row in done}
         requests = [r for r in requests if r.index not in finished]
         log.info("resume: %d requests already in %s, %d to run", len(finished), outputs_path, len(requests))
-    writer = OutputsWriter(outputs_path, keep=done, sampling_of=sampling.get) if outputs_path else None
+    final_form = None
+    if cfg.output_format == "openai":
+        from spmd_engine.openai_batch import batch_output
+        kinds = {r.index: r.api for r in requests}
+        final_form = lambda row: batch_output(row, kinds.get(row["index"]), cfg.model.name)  # noqa: E731
+    writer = (OutputsWriter(outputs_path, keep=done, sampling_of=sampling.get, final_form=final_form)
+              if outputs_path else None)
     if gate is not None:
         gate.open()  # everything slow on rank 0 alone is done: the plans follow
     if cfg.workload.name == "bench" and cfg.workload.params.get("warmup", True):
         run_bench_warmup(llm)
     decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer else None
+    token_text = (lambda token: tokenizer.decode([token])) if tokenizer else None  # logprobs' alternatives
     t0 = time.perf_counter()
     try:
         with supervisor.before_exit(writer.quiesce if writer else lambda: None):
             outputs = llm.generate(requests, on_finish=writer.write if writer else None, decode=decode,
-                                   progress=len(requests) > 1)
+                                   progress=len(requests) > 1, token_text=token_text)
     finally:
         if writer is not None:
             writer.close()

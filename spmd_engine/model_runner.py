@@ -18,6 +18,7 @@ from spmd_engine.forward_batch import ForwardBatch, HostBatch, build_host_batch,
 from spmd_engine.input_buffers import InputBuffers
 from spmd_engine.kv_cache import (FP8_CALIBRATION_TOKENS, CudaMemoryBudget, KVCacheSpec, allocate_kv_cache,
                                   bind_kv_scales, blocks_for_bytes, calibrate_fp8_kv_scales, planned_num_blocks)
+from spmd_engine.logprobs import host_to_device, prompt_logit_rows
 from spmd_engine.plan import BlockTableMirror, StepPlan
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,8 @@ class ModelRunner:
             self.inputs = InputBuffers(max(settings.max_num_batched_tokens, settings.max_num_seqs),
                                        settings.max_num_seqs, max_blocks, settings.block_size, device)
         self.token_buffer: torch.Tensor | None = None  # the previous step's sampled tokens (ranks > 0)
+        # rank 0: float32 logits of the last launch's prompt-logprob rows (StepPlan.prompt_logits), or None
+        self.last_prompt_logits: torch.Tensor | None = None
         self.graphs = None
         # a pool smaller than one sequence is refused by the engine right after this; capture nothing
         if self.use_graphs and self.num_blocks * settings.block_size >= settings.max_model_len:
@@ -163,7 +166,7 @@ class ModelRunner:
         """Turn the plan into device inputs; the copy is queued behind whatever the GPU is running."""
         tables = self.mirror.apply(plan)
         host = build_host_batch(plan, tables, self.settings.block_size)
-        if self.graphs is not None and self.graphs.can_run(host):
+        if self.graphs is not None and not plan.has_prompt_logits and self.graphs.can_run(host):
             rows, batch = self.graphs.stage(host)
             return StagedStep(plan, host, batch, rows)
         if self.inputs is not None and self.inputs.fits(host):
@@ -180,12 +183,27 @@ class ModelRunner:
         batch, plan = staged.batch, staged.plan
         if plan.num_prev_sampled:
             batch.fill_deferred(self._share_tokens(prev_tokens, plan.num_prev_sampled))
+        self.last_prompt_logits = None
         if staged.graph_rows is not None:
             return self.graphs.replay(staged.graph_rows, staged.host, batch)
         hidden = self.model(batch.input_ids, batch.positions, batch.attn)
+        if plan.has_prompt_logits:  # one LM head call for the sampled rows and the prompt-logprob rows
+            return self._logits_with_prompt_rows(hidden, batch.logits_indices, plan)
         if batch.logits_indices.numel() == 0:
             return None
         return self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
+
+    def _logits_with_prompt_rows(self, hidden: torch.Tensor, sample_rows: torch.Tensor, plan: StepPlan
+                                 ) -> torch.Tensor | None:
+        """Sampled rows' logits (returned) and the prompt rows' (kept in last_prompt_logits on rank 0);
+        every rank runs the same LM head rows (a collective gather under tensor parallelism)."""
+        prompt_rows = host_to_device(prompt_logit_rows(plan.query_lens, plan.prompt_logits), self.device)
+        num_sampled = sample_rows.numel()
+        logits = self.model.compute_logits(hidden.index_select(0, torch.cat([sample_rows, prompt_rows])))
+        if logits is None:
+            return None
+        self.last_prompt_logits = logits[num_sampled:]
+        return logits[:num_sampled] if num_sampled else None
 
     def _share_tokens(self, mine: torch.Tensor | None, count: int) -> torch.Tensor:
         """The previous step's sampled tokens on every rank: rank 0 broadcasts them as a device tensor

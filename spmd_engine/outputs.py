@@ -19,6 +19,9 @@ ERROR_ECHO_TOKENS = 64  # first `prompt_token_ids`; `prompt_num_tokens` then hol
 ERROR_TEXT_CHARS = 1000  # the `error` line itself
 
 
+OPTIONAL_FIELDS = ("stop_reason", "custom_id", "logprobs", "prompt_logprobs")
+
+
 @dataclass
 class RequestOutput:
     index: int
@@ -33,11 +36,19 @@ class RequestOutput:
     finish_time: float | None = field(default=None, repr=False)
     token_times: list[float] = field(default_factory=list, repr=False)
     num_cached_tokens: int = field(default=0, repr=False)
+    # written only when set, so rows of requests that use none of them keep their fields
+    stop_reason: str | int | None = None  # the stop string / stop token id that ended it (finish_reason stop)
+    custom_id: str | None = None  # the request's id in an OpenAI batch file
+    logprobs: list[dict] | None = None  # per generated token (sampling.logprobs), see spmd_engine/logprobs.py
+    prompt_logprobs: list[dict | None] | None = None  # per prompt token, None for the first
 
     def to_json(self) -> dict:
         d = asdict(self)
         for k in ("first_token_time", "finish_time", "token_times", "num_cached_tokens"):
             d.pop(k)
+        for k in OPTIONAL_FIELDS:
+            if d[k] is None:
+                d.pop(k)
         if self.finish_reason == "error":
             d.update(error_echo(self.prompt, self.prompt_token_ids))
             if self.error is not None and len(self.error) > ERROR_TEXT_CHARS:
@@ -74,11 +85,14 @@ class OutputsWriter:
     """Appends finished requests to outputs.jsonl as they finish; `finalize` sorts the file."""
 
     def __init__(self, path: Path, keep: list[dict] | None = None,
-                 sampling_of: Callable[[int], dict | None] | None = None) -> None:
+                 sampling_of: Callable[[int], dict | None] | None = None,
+                 final_form: Callable[[dict], dict] | None = None) -> None:
         """`sampling_of(index)`: the request's sampling parameters, written as the row's `sampling`
-        (what a resumed job checks its kept rows against)."""
+        (what a resumed job checks its kept rows against). `final_form(row)`: what `finalize` writes
+        for each row instead of the row (output_format=openai); lines appended during the run stay rows."""
         self.path = Path(path)
         self.sampling_of = sampling_of
+        self.final_form = final_form
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if keep:
             _rewrite(self.path, keep)
@@ -105,7 +119,8 @@ class OutputsWriter:
         rows = {}
         for row in read_outputs(self.path):
             rows.setdefault(row["index"], row)
-        _rewrite(self.path, [rows[i] for i in sorted(rows)])
+        ordered = [rows[i] for i in sorted(rows)]
+        _rewrite(self.path, [self.final_form(r) for r in ordered] if self.final_form else ordered)
 
     def close(self) -> None:
         if not self._file.closed:
@@ -150,6 +165,12 @@ def _short_repr(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+# sampling keys added after rows were first written: a kept row without one had its default
+_LATER_SAMPLING_KEYS = {"stop": None, "stop_token_ids": None, "min_tokens": 0, "include_stop_str_in_output": False,
+                        "logprobs": None, "prompt_logprobs": None, "min_p": 0.0, "repetition_penalty": 1.0,
+                        "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+
 def _row_differs(row: dict, prompt: str | None, prompt_token_ids: list[int] | None,
                  sampling: dict | None) -> str | None:
     kept_prompt = row.get("prompt")
@@ -163,7 +184,7 @@ def _row_differs(row: dict, prompt: str | None, prompt_token_ids: list[int] | No
     kept_sampling = row.get("sampling")
     if isinstance(kept_sampling, dict) and sampling is not None:
         for key in sorted(set(kept_sampling) | set(sampling)):
-            kept, now = kept_sampling.get(key), sampling.get(key)
+            kept, now = kept_sampling.get(key, _LATER_SAMPLING_KEYS.get(key)), sampling.get(key)
             if kept != now and not (kept != kept and now != now):  # NaN (an error row's) is NaN again
                 return f"sampling.{key} differs: kept {kept!r}, now {now!r}"
     return None

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from spmd_engine.logprobs import prompt_logit_count
+
 if TYPE_CHECKING:
     from spmd_engine.scheduler import ScheduleOutput
     from spmd_engine.sequence import Sequence
@@ -57,6 +59,13 @@ class StepPlan:
     deferred_positions: np.ndarray = field(default_factory=lambda: _empty(np.int32))  # [D]
     deferred_rows: np.ndarray = field(default_factory=lambda: _empty(np.int32))  # [D]
     num_prev_sampled: int = 0
+    # prompt logprobs: the first prompt_logits[b] tokens of sequence b also get logits (rank 0 turns them
+    # into logprobs, spmd_engine/logprobs.py); empty when no request of the step asked for them
+    prompt_logits: np.ndarray = field(default_factory=lambda: _empty(np.int32))  # [B] or [0]
+
+    @property
+    def has_prompt_logits(self) -> bool:
+        return bool(self.prompt_logits.shape[0]) and bool(self.prompt_logits.any())
 
     @property
     def num_seqs(self) -> int:
@@ -166,6 +175,12 @@ class PlanBuilder:
                 deferred_positions.append(len(inputs))
                 deferred_rows.append(row)
                 inputs.append(0)
+        prompt_logits = _empty(np.int32)  # stays empty unless a request of the step asked for prompt logprobs
+        if any(s.params.prompt_logprobs is not None for s in output.seqs):
+            prompt_counts = [prompt_logit_count(s, start, n) for s, start, n in
+                             zip(output.seqs, output.num_computed_before, output.num_new_tokens)]
+            if any(prompt_counts):
+                prompt_logits = np.asarray(prompt_counts, dtype=np.int32)
         prev_sampled = self._num_sampled
         sampled_ids = [s.seq_id for s, flag in zip(output.seqs, output.sample) if flag]
         self._sample_rows = {sid: row for row, sid in enumerate(sampled_ids)}
@@ -185,6 +200,7 @@ class PlanBuilder:
             deferred_positions=np.asarray(deferred_positions, dtype=np.int32),
             deferred_rows=np.asarray(deferred_rows, dtype=np.int32),
             num_prev_sampled=prev_sampled if deferred_positions else 0,
+            prompt_logits=prompt_logits,
         )
 
 

@@ -20,7 +20,8 @@ DEFAULT_PROMPTS: list[str] = [
     "List three prime numbers and say what makes them prime.",
 ]
 
-PROMPT_KEYS = ("prompt", "prompt_token_ids")
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "messages")
+CHAT_ROLES = ("system", "user", "assistant")
 # per-request override -> (accepted python types, the type's name in errors); bool is never a number
 OVERRIDE_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "temperature": ((int, float), "a number"),
@@ -29,7 +30,18 @@ OVERRIDE_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "max_tokens": ((int,), "an integer"),
     "ignore_eos": ((bool,), "true or false"),
     "seed": ((int, type(None)), "an integer or null"),
+    "stop": ((str, list, type(None)), "a string, a list of strings or null"),
+    "stop_token_ids": ((list, type(None)), "a list of integers or null"),
+    "min_tokens": ((int,), "an integer"),
+    "include_stop_str_in_output": ((bool,), "true or false"),
+    "logprobs": ((int, type(None)), "an integer or null"),
+    "prompt_logprobs": ((int, type(None)), "an integer or null"),
+    "min_p": ((int, float), "a number"),
+    "repetition_penalty": ((int, float), "a number"),
+    "presence_penalty": ((int, float), "a number"),
+    "frequency_penalty": ((int, float), "a number"),
 }
+REQUEST_KEYS = ("chat_template_kwargs",)  # per-request keys that are neither the prompt nor sampling
 NO_TOKENIZER_ERROR = "prompt text given but the checkpoint has no tokenizer; pass prompt_token_ids"
 
 
@@ -42,6 +54,11 @@ class PromptRequest:
     prompt_token_ids: list[int] | None
     overrides: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    # chat input: rendered by the tokenizer's chat template (with the generation prompt) at tokenize time
+    messages: list[dict[str, str]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # this line's template options (over the job's)
+    custom_id: str | None = None  # the OpenAI batch line's id, echoed in its output row
+    api: str | None = None  # an OpenAI batch line's endpoint: "chat" | "completions" (None: our own line)
 
 
 def _type_name(value: Any) -> str:
@@ -74,11 +91,19 @@ def _problem(obj: Any) -> str | None:
     """Why a parsed request object can't run (one line), or None when it is well formed."""
     if not isinstance(obj, dict):
         return f"expected a JSON object, got {_type_name(obj)}"
-    unknown = [k for k in obj if k not in PROMPT_KEYS and k not in OVERRIDE_TYPES]
+    unknown = [k for k in obj if k not in PROMPT_KEYS and k not in OVERRIDE_TYPES and k not in REQUEST_KEYS]
     if unknown:
-        return f"unknown key {_short(repr(unknown[0]))} (allowed: {', '.join((*PROMPT_KEYS, *OVERRIDE_TYPES))})"
-    if ("prompt" in obj) == ("prompt_token_ids" in obj):
-        return "give exactly one of 'prompt' or 'prompt_token_ids'"
+        allowed = ', '.join((*PROMPT_KEYS, *OVERRIDE_TYPES, *REQUEST_KEYS))
+        return f"unknown key {_short(repr(unknown[0]))} (allowed: {allowed})"
+    if sum(k in obj for k in PROMPT_KEYS) != 1:
+        return "give exactly one of 'prompt', 'prompt_token_ids' or 'messages'"
+    if "messages" in obj:
+        problem = _messages_problem(obj["messages"])
+        if problem:
+            return problem
+    kwargs = obj.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        return f"'chat_template_kwargs' must be a JSON object, got {_type_name(kwargs)}"
     if "prompt" in obj and not isinstance(obj["prompt"], str):
         return f"'prompt' must be a string, got {_type_name(obj['prompt'])}"
     if "prompt" in obj and _lone_surrogate(obj["prompt"]) is not None:
@@ -94,13 +119,41 @@ def _problem(obj: Any) -> str | None:
     return None
 
 
+def _messages_problem(messages: Any) -> str | None:
+    """Why a `messages` value is not a chat (a non-empty list of {role, content} turns), or None."""
+    if not isinstance(messages, list) or not messages:
+        return "'messages' must be a non-empty list of {\"role\": ..., \"content\": ...} objects"
+    for i, turn in enumerate(messages):
+        if not isinstance(turn, dict):
+            return f"messages[{i}] must be an object, got {_type_name(turn)}"
+        extra = [k for k in turn if k not in ("role", "content")]
+        if extra:
+            return f"messages[{i}] has unknown key {_short(repr(extra[0]))} (allowed: role, content)"
+        if turn.get("role") not in CHAT_ROLES:
+            return f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {_short(repr(turn.get('role')))}"
+        if not isinstance(turn.get("content"), str):
+            return f"messages[{i}].content must be a string, got {_type_name(turn.get('content'))}"
+        if _lone_surrogate(turn["content"]) is not None:
+            return f"messages[{i}].content is not valid Unicode: {_lone_surrogate(turn['content'])}"
+    return None
+
+
 def _request_from_object(obj: Any, index: int, where: str) -> PromptRequest:
     """A request from one parsed object; a problem becomes `error` prefixed with `where`, never an exception."""
+    from spmd_engine.openai_batch import is_batch_line, translate
+
+    custom_id = api = None
+    if is_batch_line(obj):  # the OpenAI batch format: its body in our keys, then the same checks
+        obj, custom_id, api, problem = translate(obj)
+        if problem:
+            return PromptRequest(index, None, None, {}, f"{where}: {problem}", custom_id=custom_id, api=api)
     problem = _problem(obj)
     if problem:
-        return PromptRequest(index, None, None, {}, f"{where}: {problem}")
+        return PromptRequest(index, None, None, {}, f"{where}: {problem}", custom_id=custom_id, api=api)
     overrides = {k: v for k, v in obj.items() if k in OVERRIDE_TYPES}
-    return PromptRequest(index, obj.get("prompt"), obj.get("prompt_token_ids"), overrides)
+    return PromptRequest(index, obj.get("prompt"), obj.get("prompt_token_ids"), overrides,
+                         messages=obj.get("messages"), chat_template_kwargs=obj.get("chat_template_kwargs"),
+                         custom_id=custom_id, api=api)
 
 
 def _short(text: str, limit: int = 60) -> str:
@@ -193,16 +246,36 @@ def _encode(prompt: str, tokenizer, chat_template: bool) -> list[int]:
     return list(tokenizer.encode(prompt))
 
 
-def tokenize(requests: list[PromptRequest], tokenizer, chat_template: bool) -> list[PromptRequest]:
+def _render_chat(request: PromptRequest, tokenizer, job_kwargs: dict[str, Any] | None) -> str:
+    """The request's `messages` through the tokenizer's chat template, with the generation prompt;
+    the job's `chat_template_kwargs` under the line's own."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the tokenizer has no chat template; give 'prompt' instead of 'messages'")
+    kwargs = {**(job_kwargs or {}), **(request.chat_template_kwargs or {})}
+    return tokenizer.apply_chat_template(request.messages, tokenize=False, add_generation_prompt=True, **kwargs)
+
+
+def tokenize(requests: list[PromptRequest], tokenizer, chat_template: bool,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[PromptRequest]:
     """Fill `prompt_token_ids` of text requests in place (chat template: one user turn + generation prompt).
 
-    Requests that already have ids or an error are left alone; returns `requests` for chaining.
+    A `messages` request is rendered by the chat template first (its `prompt` becomes the rendered
+    text); a template error is that request's error. Requests that already have ids or an error are
+    left alone; returns `requests` for chaining.
     """
     for request in requests:
         if request.error is not None or request.prompt_token_ids is not None:
             continue
         if tokenizer is None:
             request.error = NO_TOKENIZER_ERROR
+        elif request.messages is not None:
+            try:
+                request.prompt = _render_chat(request, tokenizer, chat_template_kwargs)
+                request.prompt_token_ids = list(tokenizer.encode(request.prompt, add_special_tokens=False))
+            except Exception as exc:  # a template that raises (jinja's raise_exception, bad kwargs): one row
+                detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                request.error = f"messages could not be rendered by the chat template ({type(exc).__name__}" \
+                                f"{': ' if detail else ''}{_short(detail, 160)})"
         else:
             try:
                 request.prompt_token_ids = _encode(request.prompt, tokenizer, chat_template)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from spmd_engine.block_manager import BlockManager
@@ -112,6 +113,9 @@ class Scheduler:
         self._unfinished: dict[int, Sequence] = {}
         self._left_since_schedule: list[int] = []
         self.num_preemptions = 0
+        # (sequence, its new token) -> the stop string the token completed, or None: the engine's
+        # incremental detokenizer (spmd_engine/detokenizer.py), for sequences with `stop` strings
+        self.stop_string_check: Callable[[Sequence, int], str | None] | None = None
 
     @property
     def num_waiting(self) -> int:
@@ -185,7 +189,7 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_pending_tokens:  # preempted while its token was pending: wait for it
                 break
-            bm.allocate_prefix(seq)
+            bm.allocate_prefix(seq, use_cache=seq.params.prompt_logprobs is None)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, token_budget)
             if not bm.ensure_slots(seq, seq.num_computed_tokens + num_new):
                 bm.undo_prefix(seq)
@@ -240,8 +244,20 @@ class Scheduler:
         return outputs >= seq.params.max_tokens or seq.num_planned_tokens >= self.config.max_model_len
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        if not seq.params.ignore_eos and token in self.eos_token_ids:
-            return FINISH_STOP
+        """EOS, a stop token, a stop string (none before min_tokens), then the length limits. A sequence
+        finished here that has a speculative step in flight drops its token, whatever stopped it."""
+        params = seq.params
+        if seq.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return FINISH_STOP
+            if params.stop_token_ids and token in params.stop_token_ids:
+                seq.stop_reason = token
+                return FINISH_STOP
+        if params.stop and self.stop_string_check is not None:
+            matched = self.stop_string_check(seq, token)  # fed every token: it follows the text
+            if matched is not None:
+                seq.stop_reason = matched
+                return FINISH_STOP
         if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len:
             return FINISH_LENGTH
         return None

@@ -22,7 +22,7 @@ def build_requests(cfg: EngineConfig, tokenizer, vocab_size: int) -> list[Prompt
         requests = read_prompts(list(DEFAULT_PROMPTS), None)
     else:
         requests = read_prompts(cfg.prompts, cfg.prompts_file)
-    tokenize(requests, tokenizer, cfg.chat_template)
+    tokenize(requests, tokenizer, cfg.chat_template, cfg.chat_template_kwargs)
     return requests
 
 
@@ -48,10 +48,10 @@ def bench_requests(params: dict) -> list[PromptRequest]:
     top = int(params.get("token_id_max", 10000))
     prompts = [[rng.randint(0, top) for _ in range(rng.randint(lo_in, hi_in))] for _ in range(n)]
     max_tokens = [rng.randint(lo_out, hi_out) for _ in range(n)]
-    # nano-vllm samples with temperature alone (top_p 1, top_k off), whatever sampling.* says;
-    # workload.top_p / workload.top_k measure the other sampling paths (sampling.top_p defaults to 0.95)
+    # nano-vllm samples with temperature alone (top_p 1, top_k off), whatever sampling.* or a checkpoint's
+    # generation_config says; workload.top_p / workload.top_k measure the other sampling paths
     overrides = {"temperature": float(params.get("temperature", 0.6)), "top_p": float(params.get("top_p", 1.0)),
-                 "top_k": int(params.get("top_k", -1)), "ignore_eos": True}
+                 "top_k": int(params.get("top_k", -1)), "ignore_eos": True, "min_p": 0.0, "repetition_penalty": 1.0}
     return [PromptRequest(i, None, p, {**overrides, "max_tokens": m}) for i, (p, m) in enumerate(zip(prompts, max_tokens))]
 
 

@@ -8,6 +8,7 @@ def test_bench_reproduces_the_nano_vllm_workload_to_the_token():
     assert sum(r.overrides["max_tokens"] for r in requests) == 133_966
     assert all(0 <= t <= 10_000 for r in requests for t in r.prompt_token_ids)
     assert requests[0].overrides == {"temperature": 0.6, "top_p": 1.0, "top_k": -1, "ignore_eos": True,
+                                     "min_p": 0.0, "repetition_penalty": 1.0,
                                      "max_tokens": requests[0].overrides["max_tokens"]}
 
 
