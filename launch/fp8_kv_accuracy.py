@@ -25,7 +25,7 @@ import torch
 
 from models.attention_metadata import AttentionMetadata
 from models.causal_lm import CausalLM
-from spmd_engine.kv_cache import (FP8_CALIBRATION_TOKENS, FP8_SCALE_HEADROOM, KVCacheSpec, allocate_kv_cache,
+from spmd_engine.executor.kv_cache import (FP8_CALIBRATION_TOKENS, FP8_SCALE_HEADROOM, KVCacheSpec, allocate_kv_cache,
                                   bind_kv_scales, calibrate_fp8_kv_scales, fp8_calibration_ids, measure_kv_absmax,
                                   resolve_kv_cache_dtype)
 

@@ -39,7 +39,7 @@ for stage in $stages; do
       note "sampler: one step's sampling of 256 rows x Qwen3 vocab (median ms)"
       CUDA_VISIBLE_DEVICES=0 timeout -k 10 60 python - <<'PY' 2>&1 | tee -a "$LOG"
 import torch, triton.testing
-from spmd_engine.sampler import Sampler, SamplingRow
+from spmd_engine.executor.sampler import Sampler, SamplingRow
 logits = torch.randn(256, 151936, device="cuda") * 2
 sampler = Sampler(torch.device("cuda"))
 for name, t, p, k in (("greedy", 0.0, 1.0, -1), ("temperature 0.6", 0.6, 1.0, -1), ("temperature 0.6 top_p 0.95", 0.6, 0.95, -1),
@@ -88,7 +88,7 @@ from torch.profiler import ProfilerActivity, profile
 from spmd_engine.config import engine_config_from_dict
 from spmd_engine.distributed import RankInfo
 from spmd_engine.engine import LLM
-from spmd_engine.workloads import bench_requests
+from spmd_engine.job.workloads import bench_requests
 
 model = yaml.safe_load(open("conf/model/qwen3.yaml"))
 model["load_format"] = "dummy"

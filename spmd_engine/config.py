@@ -71,7 +71,7 @@ class EngineConfig:
     dist_timeout_s: float = 45.0
     startup_timeout_s: float = 600.0
     log_level: str = "INFO"
-    fault: dict[str, Any] | None = None  # test-only fault injection (see spmd_engine/faults.py)
+    fault: dict[str, Any] | None = None  # test-only fault injection (see spmd_engine/faults/injection.py)
 
     def validate(self, world_size: int) -> None:
         """Raise ConfigError on the first bad key (checks that need no model or device)."""
@@ -213,7 +213,7 @@ def _workload_params(name: str, params: dict[str, Any]) -> dict[str, Any]:
 def sampling_defaults_from_dict(sampling: dict[str, Any]) -> SamplingDefaults:
     """The job-wide `sampling.*` defaults, checked by the same SamplingParams.validate that checks each
     request's own values (a bad one here fails the job before the model loads; in a prompts file, one row)."""
-    from spmd_engine.sequence import SamplingParams
+    from spmd_engine.core.sequence import SamplingParams
 
     _reject_unknown(sampling, [f.name for f in dataclasses.fields(SamplingDefaults)], "sampling.")
     try:

@@ -6,8 +6,8 @@ from pathlib import Path
 from spmd_engine.config import engine_config_from_dict
 from spmd_engine.distributed import RankInfo
 from spmd_engine.engine import LLM
-from spmd_engine.outputs import RequestOutput
-from spmd_engine.prompts import PromptRequest
+from spmd_engine.job.outputs import RequestOutput
+from spmd_engine.job.prompts import PromptRequest
 
 SINGLE = RankInfo(0, 1, 0, "127.0.0.1", 0, "single")
 

@@ -9,7 +9,7 @@ import torch
 from spmd_engine.config import engine_config_from_dict
 from spmd_engine.distributed import RankInfo
 from spmd_engine.engine import LLM
-from spmd_engine.prompts import PromptRequest
+from spmd_engine.job.prompts import PromptRequest
 from tests.helpers.tiny_checkpoints import make_tiny_checkpoint
 
 GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

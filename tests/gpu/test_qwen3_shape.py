@@ -6,7 +6,7 @@ import yaml
 
 from spmd_engine.config import engine_config_from_dict
 from spmd_engine.engine import LLM
-from spmd_engine.prompts import PromptRequest
+from spmd_engine.job.prompts import PromptRequest
 from tests.gpu.engine_setup import GPU, SINGLE, engine_overrides
 
 pytestmark = GPU

@@ -151,8 +151,8 @@ def generate_in_process(args: list[str]) -> list[list[int]]:
     from spmd_engine.config import engine_config_from_dict
     from spmd_engine.distributed import RankInfo
     from spmd_engine.engine import LLM
-    from spmd_engine.prompts import load_tokenizer
-    from spmd_engine.workloads import build_requests
+    from spmd_engine.job.prompts import load_tokenizer
+    from spmd_engine.job.workloads import build_requests
 
     overrides = [a for a in args if not a.startswith("hydra.")]
     with initialize_config_dir(version_base="1.3", config_dir=str(REPO / "conf")):

@@ -63,7 +63,7 @@ def test_bad_sampling_defaults_are_config_errors(sampling, line):
 
 def test_sampling_defaults_and_request_values_share_one_check(monkeypatch):
     """The job-wide defaults go through SamplingParams.validate, the check every request's values get."""
-    from spmd_engine.sequence import SamplingParams
+    from spmd_engine.core.sequence import SamplingParams
 
     def refuse(self):
         raise ValueError("checked by SamplingParams.validate")

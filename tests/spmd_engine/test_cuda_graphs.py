@@ -7,11 +7,11 @@ from models.loader import load_dummy_weights
 from models.model_config import ModelShape
 from models.parallel import TensorParallel
 from models.registry import build_model
-from spmd_engine.cuda_graphs import decode_step, graph_batch_sizes
-from spmd_engine.forward_batch import build_host_batch, to_device
-from spmd_engine.input_buffers import InputBuffers
-from spmd_engine.model_runner import ModelRunner, RunnerSettings
-from spmd_engine.plan import StepPlan
+from spmd_engine.executor.cuda_graphs import decode_step, graph_batch_sizes
+from spmd_engine.executor.forward_batch import build_host_batch, to_device
+from spmd_engine.executor.input_buffers import InputBuffers
+from spmd_engine.executor.model_runner import ModelRunner, RunnerSettings
+from spmd_engine.core.plan import StepPlan
 
 HF = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
       "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 97,

@@ -15,8 +15,8 @@ import torch
 from spmd_engine.config import engine_config_from_dict
 from spmd_engine.distributed import RankInfo
 from spmd_engine.engine import LLM
-from spmd_engine.outputs import RequestOutput
-from spmd_engine.prompts import PromptRequest
+from spmd_engine.job.outputs import RequestOutput
+from spmd_engine.job.prompts import PromptRequest
 from tests.helpers.tiny_checkpoints import make_tiny_checkpoint
 
 NEW_TOKENS = 32
@@ -142,7 +142,7 @@ def test_chunked_prefill_in_a_small_pool_matches_hf_under_heavy_preemption(rope_
     async scheduling a schedule that runs nothing still preempts (the sequence that needs a block
     preempts itself while the others wait for their last pending token); that drop must reach the
     block tables, or the readmitted sequence runs on stale KV blocks (wrong tokens, or a crash)."""
-    from spmd_engine.scheduler import Scheduler
+    from spmd_engine.core.scheduler import Scheduler
 
     path, prompts, expected = rope_scaled
     idle_preemptions = []

@@ -22,9 +22,9 @@ from hypothesis import strategies as st
 import spmd_engine.engine as engine_module
 from spmd_engine.config import EngineConfig, ModelConfig, SamplingDefaults, WorkloadConfig
 from spmd_engine.engine import _Generation
-from spmd_engine.plan import COMMAND_STOP, BlockTableMirror, StepPlan
-from spmd_engine.progress import StepProgress
-from spmd_engine.prompts import PromptRequest
+from spmd_engine.core.plan import COMMAND_STOP, BlockTableMirror, StepPlan
+from spmd_engine.faults.progress import StepProgress
+from spmd_engine.job.prompts import PromptRequest
 
 VOCAB, EOS = 6, 1  # a tiny vocabulary: greedy tokens on random logits hit EOS now and then
 NUM_OTHER_RANKS = 2

@@ -13,9 +13,9 @@ from models.model_config import ModelShape
 from spmd_engine.config import ConfigError, engine_config_from_dict
 from spmd_engine.distributed import RankInfo
 from spmd_engine.engine import LLM
-from spmd_engine.kv_cache import (FP8_SCALE_HEADROOM, KVCacheSpec, fp8_calibration_ids, fp8_scales_from_absmax,
+from spmd_engine.executor.kv_cache import (FP8_SCALE_HEADROOM, KVCacheSpec, fp8_calibration_ids, fp8_scales_from_absmax,
                                   measure_kv_absmax, planned_num_blocks)
-from spmd_engine.prompts import PromptRequest
+from spmd_engine.job.prompts import PromptRequest
 from tests.helpers.tiny_checkpoints import make_tiny_checkpoint
 
 SINGLE = RankInfo(0, 1, 0, "127.0.0.1", 0, "single")

@@ -1,6 +1,6 @@
 import pytest
 
-from spmd_engine.sequence import SamplingParams, Sequence, SequenceStatus
+from spmd_engine.core.sequence import SamplingParams, Sequence, SequenceStatus
 
 
 def test_defaults_are_valid():

@@ -6,7 +6,7 @@ the one that went silent, in that order of certainty.
 """
 from __future__ import annotations
 
-from spmd_engine.fault_board import ERROR, LOST, SIGNAL, TIMEOUT, FaultEntry
+from spmd_engine.faults.fault_board import ERROR, LOST, SIGNAL, TIMEOUT, FaultEntry
 
 RESUME_HINT = "finished requests are kept in outputs.jsonl; resume=true continues"
 

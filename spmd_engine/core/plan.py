@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 if TYPE_CHECKING:
-    from spmd_engine.scheduler import ScheduleOutput
-    from spmd_engine.sequence import Sequence
+    from spmd_engine.core.scheduler import ScheduleOutput
+    from spmd_engine.core.sequence import Sequence
 
 COMMAND_FORWARD = "forward"
 COMMAND_STOP = "stop"

@@ -18,14 +18,14 @@ from collections.abc import Callable
 from contextlib import contextmanager
 
 from spmd_engine.distributed import RankInfo, RendezvousUnreachable
-from spmd_engine.error_line import report_error as _report_error
-from spmd_engine.fault_board import ERROR, LOST, PEER, SIGNAL, TIMEOUT, FaultBoard, FaultEntry
-from spmd_engine.fault_summary import summarize_faults
-from spmd_engine.progress import IDLE, Phase, StepProgress
-from spmd_engine.signals import SignalThread, install_signal_thread
-from spmd_engine.start_gate import StartGate
-from spmd_engine.stack_location import Location, exception_location, thread_location
-from spmd_engine.watchdog import Watchdog, WatchdogCallbacks
+from spmd_engine.faults.error_line import report_error as _report_error
+from spmd_engine.faults.fault_board import ERROR, LOST, PEER, SIGNAL, TIMEOUT, FaultBoard, FaultEntry
+from spmd_engine.faults.fault_summary import summarize_faults
+from spmd_engine.faults.progress import IDLE, Phase, StepProgress
+from spmd_engine.faults.signals import SignalThread, install_signal_thread
+from spmd_engine.faults.start_gate import StartGate
+from spmd_engine.faults.stack_location import Location, exception_location, thread_location
+from spmd_engine.faults.watchdog import Watchdog, WatchdogCallbacks
 
 EXIT_FAULT = 1
 GRACE_S = 3.0  # how long a rank waits for the others' posts / for the report before exiting

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from spmd_engine.forward_batch import ForwardBatch, HostBatch
-from spmd_engine.input_buffers import InputBuffers
+from spmd_engine.executor.forward_batch import ForwardBatch, HostBatch
+from spmd_engine.executor.input_buffers import InputBuffers
 
 if TYPE_CHECKING:
-    from spmd_engine.model_runner import ModelRunner
+    from spmd_engine.executor.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 

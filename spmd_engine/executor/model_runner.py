@@ -14,11 +14,11 @@ import torch
 
 from models.model_config import ModelShape
 from spmd_engine.distributed import all_reduce_min, broadcast_tensor, is_distributed
-from spmd_engine.forward_batch import ForwardBatch, HostBatch, build_host_batch, to_device
-from spmd_engine.input_buffers import InputBuffers
-from spmd_engine.kv_cache import (FP8_CALIBRATION_TOKENS, CudaMemoryBudget, KVCacheSpec, allocate_kv_cache,
+from spmd_engine.executor.forward_batch import ForwardBatch, HostBatch, build_host_batch, to_device
+from spmd_engine.executor.input_buffers import InputBuffers
+from spmd_engine.executor.kv_cache import (FP8_CALIBRATION_TOKENS, CudaMemoryBudget, KVCacheSpec, allocate_kv_cache,
                                   bind_kv_scales, blocks_for_bytes, calibrate_fp8_kv_scales, planned_num_blocks)
-from spmd_engine.plan import BlockTableMirror, StepPlan
+from spmd_engine.core.plan import BlockTableMirror, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class ModelRunner:
         self.graphs = None
         # a pool smaller than one sequence is refused by the engine right after this; capture nothing
         if self.use_graphs and self.num_blocks * settings.block_size >= settings.max_model_len:
-            from spmd_engine.cuda_graphs import DecodeGraphs
+            from spmd_engine.executor.cuda_graphs import DecodeGraphs
             self.graphs = DecodeGraphs.capture(self, max_blocks)
 
     # --- sizing -------------------------------------------------------------------------
@@ -101,7 +101,7 @@ class ModelRunner:
         activation_peak = self._peak_of(lambda: self._warmup_forward(lens))
         graph_pool = 0
         if self.use_graphs:
-            from spmd_engine.cuda_graphs import graph_batch_sizes
+            from spmd_engine.executor.cuda_graphs import graph_batch_sizes
             graph_tokens = min(s.max_num_seqs, max(s.max_num_batched_tokens, s.max_num_seqs))
             graph_pool = self._peak_of(lambda: self._warmup_forward([graph_tokens]))
             # every graph keeps its own float32 logits output alive in the pool
@@ -145,7 +145,7 @@ class ModelRunner:
     def _warmup_sampler(self) -> None:
         """Sample max_num_seqs rows of fake logits through the sampler's two costly paths (top-k with
         its sort; top-p alone) and the plain race, on rank 0's memory only during sampling."""
-        from spmd_engine.sampler import Sampler, SamplingRow
+        from spmd_engine.executor.sampler import Sampler, SamplingRow
         n = self.settings.max_num_seqs
         logits = torch.randn(n, self.shape.vocab_size, device=self.device)
         for top_k, top_p in ((50, 0.9), (-1, 0.9), (-1, 1.0)):  # the last compiles the fused plain race

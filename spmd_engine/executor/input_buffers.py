@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from models.attention_metadata import AttentionMetadata
-from spmd_engine.forward_batch import ForwardBatch, HostBatch
+from spmd_engine.executor.forward_batch import ForwardBatch, HostBatch
 
 _ALIGN = 256  # bytes; keeps every view aligned like a fresh allocation (Triton specialises on it)
 _NUMPY = {torch.int64: np.int64, torch.int32: np.int32}

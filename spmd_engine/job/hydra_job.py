@@ -18,13 +18,13 @@ import torch
 from spmd_engine.config import ConfigError, EngineConfig, engine_config_from_dict, startup_settings
 from spmd_engine.distributed import RankInfo, all_reduce_min, init_process_group
 from spmd_engine.engine import LLM, agreed
-from spmd_engine.error_line import error_line, report_error, write_error_file
-from spmd_engine.metrics import summarize, write_metrics
-from spmd_engine.outputs import OutputsWriter, RequestOutput, read_outputs, resume_mismatch
-from spmd_engine.preflight import check_prompts_file
-from spmd_engine.run_dir import RunDirLock, RunDirRefused, claim_run_dir
-from spmd_engine.supervisor import Supervisor
-from spmd_engine.workloads import build_requests, run_bench_warmup
+from spmd_engine.faults.error_line import error_line, report_error, write_error_file
+from spmd_engine.job.metrics import summarize, write_metrics
+from spmd_engine.job.outputs import OutputsWriter, RequestOutput, read_outputs, resume_mismatch
+from spmd_engine.faults.preflight import check_prompts_file
+from spmd_engine.job.run_dir import RunDirLock, RunDirRefused, claim_run_dir
+from spmd_engine.faults.supervisor import Supervisor
+from spmd_engine.job.workloads import build_requests, run_bench_warmup
 
 log = logging.getLogger("spmd_engine")
 EXIT_USER_ERROR = 2
@@ -125,7 +125,7 @@ def _generate(llm: LLM, cfg: EngineConfig, ranks: RankInfo, output_dir: Path | N
             llm.generate([])
         llm.generate([])
         return {}
-    from spmd_engine.prompts import load_tokenizer
+    from spmd_engine.job.prompts import load_tokenizer
     tokenizer = load_tokenizer(llm.source.tokenizer_dir) if llm.source.tokenizer_dir else None
     requests = build_requests(cfg, tokenizer, llm.shape.vocab_size)
     sampling = {r.index: {**vars(cfg.sampling), **r.overrides} for r in requests}
@@ -170,7 +170,7 @@ def _generate(llm: LLM, cfg: EngineConfig, ranks: RankInfo, output_dir: Path | N
     stats["max_model_len"] = llm.max_model_len
     stats["engine"] = llm.last_run  # steps, decode steps, preemptions, prefix-cache tokens, step timing
     if cfg.workload.name == "bench":
-        from spmd_engine.bench_report import bench_report
+        from spmd_engine.job.bench_report import bench_report
         stats["bench"] = bench_report(llm, outputs, wall)
     return stats
 

@@ -22,7 +22,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, read_write
 
 from spmd_engine.config import ConfigError
-from spmd_engine.outputs import read_outputs
+from spmd_engine.job.outputs import read_outputs
 
 LOCK_NAME = "outputs.jsonl.lock"
 

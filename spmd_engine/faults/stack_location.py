@@ -12,14 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
 
-REPO_ROOT = str(Path(__file__).resolve().parents[1]) + os.sep
+REPO_ROOT = str(Path(__file__).resolve().parents[2]) + os.sep
 OWN_PACKAGES = ("spmd_engine", "models", "kernels")
 COLLECTIVE_MARK = os.sep.join(("torch", "distributed", ""))
 
 
 @dataclass(frozen=True)
 class Location:
-    where: str  # "spmd_engine/faults.py:52 in before_step" (the innermost frame of our packages)
+    where: str  # "spmd_engine/faults/injection.py:52 in before_step" (the innermost frame of our packages)
     in_collective: bool  # some frame is inside torch.distributed
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from spmd_engine.outputs import RequestOutput
+from spmd_engine.job.outputs import RequestOutput
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from spmd_engine.block_manager import BlockManager
-from spmd_engine.sequence import (
+from spmd_engine.core.block_manager import BlockManager
+from spmd_engine.core.sequence import (
     FINISH_ABORT,
     FINISH_LENGTH,
     FINISH_STOP,

@@ -13,7 +13,7 @@ from typing import Sequence as Seq
 import numpy as np
 import xxhash
 
-from spmd_engine.sequence import Sequence
+from spmd_engine.core.sequence import Sequence
 
 
 def hash_block(parent_hash: int | None, token_ids: Seq[int]) -> int:

@@ -29,9 +29,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from spmd_engine.fault_board import FaultBoard
-from spmd_engine.progress import WAIT_PLAN, Phase, StepProgress
-from spmd_engine.stack_location import Location, thread_snapshot
+from spmd_engine.faults.fault_board import FaultBoard
+from spmd_engine.faults.progress import WAIT_PLAN, Phase, StepProgress
+from spmd_engine.faults.stack_location import Location, thread_snapshot
 
 OBSERVE_AFTER_S = 1.0  # a watched phase this old makes the peers' heartbeats and progress worth reading
 STALE_S = 5.0  # a peer whose heartbeat count stood still this long is dead or frozen

@@ -6,7 +6,7 @@ import logging
 import random
 
 from spmd_engine.config import EngineConfig
-from spmd_engine.prompts import DEFAULT_PROMPTS, PromptRequest, read_prompts, tokenize
+from spmd_engine.job.prompts import DEFAULT_PROMPTS, PromptRequest, read_prompts, tokenize
 
 log = logging.getLogger("spmd_engine")
 TOKEN_PROMPT_LENS = (8, 32)  # token-id stand-ins for the built-in prompts: about their length in tokens

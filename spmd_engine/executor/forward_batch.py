@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from models.attention_metadata import AttentionMetadata
-from spmd_engine.plan import StepPlan
+from spmd_engine.core.plan import StepPlan
 
 
 @dataclass
