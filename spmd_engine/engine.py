@@ -23,25 +23,23 @@ import numpy as np
 import torch
 
 from models.model_config import ModelShape
-from spmd_engine.core.block_manager import BlockManager
 from spmd_engine.config import ConfigError, EngineConfig
-from spmd_engine.distributed import RankInfo, broadcast_object, gather_errors
-from spmd_engine.faults.injection import FaultInjector
-from spmd_engine.telemetry.gpu_timeline import GpuTimeline
-from spmd_engine.executor.kv_cache import KVCacheSpec, planned_num_blocks
-from spmd_engine.job.metrics import KVCapacity
-from spmd_engine.executor.model_runner import ModelRunner, RunnerSettings
-from spmd_engine.executor.model_source import ModelSource, resolve_model_source
-from spmd_engine.job.outputs import RequestOutput
+from spmd_engine.core.block_manager import BlockManager
 from spmd_engine.core.plan import COMMAND_STOP, PlanBuilder
-from spmd_engine.faults.preflight import check_checkpoint_files
-from spmd_engine.faults.progress import StepProgress
-from spmd_engine.job.prompts import PromptRequest, validate_prompt
-from spmd_engine.executor.sampler import Sampler, SamplingRow, request_seed
+from spmd_engine.core.requests import PromptRequest, RequestOutput, validate_prompt
 from spmd_engine.core.scheduler import ScheduleOutput, Scheduler, SchedulerConfig
 from spmd_engine.core.sequence import SamplingParams, Sequence
-from spmd_engine.telemetry.step_timing import StepTimer
+from spmd_engine.distributed import RankInfo, broadcast_object, gather_errors
+from spmd_engine.executor.kv_cache import KVCacheSpec, KVCapacity, planned_num_blocks
+from spmd_engine.executor.model_runner import ModelRunner, RunnerSettings
+from spmd_engine.executor.model_source import ModelSource, resolve_model_source
+from spmd_engine.executor.sampler import Sampler, SamplingRow, request_seed
 from spmd_engine.executor.token_readback import TokenReadback
+from spmd_engine.faults.injection import FaultInjector
+from spmd_engine.faults.preflight import check_checkpoint_files
+from spmd_engine.faults.progress import StepProgress
+from spmd_engine.telemetry.gpu_timeline import GpuTimeline
+from spmd_engine.telemetry.step_timing import StepTimer
 
 log = logging.getLogger(__name__)
 

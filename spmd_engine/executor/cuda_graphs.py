@@ -12,15 +12,12 @@ import bisect
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from spmd_engine.executor.forward_batch import ForwardBatch, HostBatch
 from spmd_engine.executor.input_buffers import InputBuffers
 
-if TYPE_CHECKING:
-    from spmd_engine.executor.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +59,11 @@ class DecodeGraphs:
 
     @classmethod
     @torch.inference_mode()
-    def capture(cls, runner: ModelRunner, max_blocks: int) -> DecodeGraphs:
-        """Capture every size of `graph_batch_sizes(max_num_seqs)` over `runner.inputs`."""
-        buffers = runner.inputs
-        if buffers is None or buffers.max_blocks != max_blocks:
-            raise ValueError("DecodeGraphs need the runner's InputBuffers with max_blocks rows")
-        sizes = [n for n in graph_batch_sizes(runner.settings.max_num_seqs) if n <= buffers.max_tokens]
+    def capture(cls, model: torch.nn.Module, buffers: InputBuffers, max_num_seqs: int) -> DecodeGraphs:
+        """Capture every size of `graph_batch_sizes(max_num_seqs)` over `buffers` (the runner's own:
+        the graphs read and write exactly those views)."""
+        max_blocks = buffers.max_blocks
+        sizes = [n for n in graph_batch_sizes(max_num_seqs) if n <= buffers.max_tokens]
         started = time.perf_counter()
         reserved_before = torch.cuda.memory_reserved()
         pool = torch.cuda.graph_pool_handle()
@@ -78,11 +74,11 @@ class DecodeGraphs:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(WARMUP_RUNS):
-                    decode_step(runner.model, batch)
+                    decode_step(model, batch)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                logits = decode_step(runner.model, batch)
+                logits = decode_step(model, batch)
             graphs[n] = _Graph(graph, logits)
         torch.cuda.synchronize()
         log.info("CUDA graphs: %d decode batch sizes (%s) captured in %.1f s, %.2f GiB reserved",

@@ -171,3 +171,17 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) 
     cache = torch.empty(spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim,
                         dtype=spec.dtype, device=device)
     return [(cache[i, 0], cache[i, 1]) for i in range(spec.num_layers)]
+
+
+@dataclass(frozen=True)
+class KVCapacity:
+    """The pool a job got, as metrics.json reports it (blocks, tokens, bytes)."""
+
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+
+    def as_dict(self) -> dict:
+        return {"blocks": self.num_blocks, "tokens": self.num_blocks * self.block_size,
+                "bytes": self.num_blocks * self.bytes_per_block,
+                "gib": round(self.num_blocks * self.bytes_per_block / (1 << 30), 4)}

@@ -14,6 +14,7 @@ import torch
 
 from models.model_config import ModelShape
 from spmd_engine.distributed import all_reduce_min, broadcast_tensor, is_distributed
+from spmd_engine.executor.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from spmd_engine.executor.forward_batch import ForwardBatch, HostBatch, build_host_batch, to_device
 from spmd_engine.executor.input_buffers import InputBuffers
 from spmd_engine.executor.kv_cache import (FP8_CALIBRATION_TOKENS, CudaMemoryBudget, KVCacheSpec, allocate_kv_cache,
@@ -75,11 +76,10 @@ class ModelRunner:
             self.inputs = InputBuffers(max(settings.max_num_batched_tokens, settings.max_num_seqs),
                                        settings.max_num_seqs, max_blocks, settings.block_size, device)
         self.token_buffer: torch.Tensor | None = None  # the previous step's sampled tokens (ranks > 0)
-        self.graphs = None
+        self.graphs: DecodeGraphs | None = None
         # a pool smaller than one sequence is refused by the engine right after this; capture nothing
         if self.use_graphs and self.num_blocks * settings.block_size >= settings.max_model_len:
-            from spmd_engine.executor.cuda_graphs import DecodeGraphs
-            self.graphs = DecodeGraphs.capture(self, max_blocks)
+            self.graphs = DecodeGraphs.capture(model, self.inputs, settings.max_num_seqs)
 
     # --- sizing -------------------------------------------------------------------------
     def _fit_num_blocks(self) -> int:
@@ -101,7 +101,6 @@ class ModelRunner:
         activation_peak = self._peak_of(lambda: self._warmup_forward(lens))
         graph_pool = 0
         if self.use_graphs:
-            from spmd_engine.executor.cuda_graphs import graph_batch_sizes
             graph_tokens = min(s.max_num_seqs, max(s.max_num_batched_tokens, s.max_num_seqs))
             graph_pool = self._peak_of(lambda: self._warmup_forward([graph_tokens]))
             # every graph keeps its own float32 logits output alive in the pool
@@ -206,7 +205,7 @@ class ModelRunner:
         """Free CUDA graphs before the process group goes (NCCL hangs on destroy otherwise)."""
         if self.graphs is not None:
             self.graphs.close()
-            self.graphs = None
+            self.graphs: DecodeGraphs | None = None
         self.inputs = None
         self.model.bind_kv_cache([(None, None)] * len(self.kv_caches))
         bind_kv_scales(self.model, None)

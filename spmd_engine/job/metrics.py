@@ -2,24 +2,11 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from spmd_engine.job.outputs import RequestOutput
-
-
-@dataclass(frozen=True)
-class KVCapacity:
-    num_blocks: int
-    block_size: int
-    bytes_per_block: int
-
-    def as_dict(self) -> dict:
-        return {"blocks": self.num_blocks, "tokens": self.num_blocks * self.block_size,
-                "bytes": self.num_blocks * self.bytes_per_block,
-                "gib": round(self.num_blocks * self.bytes_per_block / (1 << 30), 4)}
+from spmd_engine.core.requests import RequestOutput
 
 
 def distribution(values: list[float]) -> dict:

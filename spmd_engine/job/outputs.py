@@ -9,52 +9,16 @@ from __future__ import annotations
 import json
 import os
 import threading
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-# What an error row echoes of its request: a 5 MB prompt that fails must not become a 15 MB row.
-ERROR_ECHO_CHARS = 200  # first characters of `prompt`; `prompt_chars` then holds the full length
-ERROR_ECHO_TOKENS = 64  # first `prompt_token_ids`; `prompt_num_tokens` then holds the full count
-ERROR_TEXT_CHARS = 1000  # the `error` line itself
-
-
-@dataclass
-class RequestOutput:
-    index: int
-    prompt: str | None
-    prompt_token_ids: list[int] | None
-    text: str | None
-    token_ids: list[int]
-    finish_reason: str  # stop | length | error
-    error: str | None = None
-    # timing (seconds, relative to the generate call's start); not written to outputs.jsonl
-    first_token_time: float | None = field(default=None, repr=False)
-    finish_time: float | None = field(default=None, repr=False)
-    token_times: list[float] = field(default_factory=list, repr=False)
-    num_cached_tokens: int = field(default=0, repr=False)
-
-    def to_json(self) -> dict:
-        d = asdict(self)
-        for k in ("first_token_time", "finish_time", "token_times", "num_cached_tokens"):
-            d.pop(k)
-        if self.finish_reason == "error":
-            d.update(error_echo(self.prompt, self.prompt_token_ids))
-            if self.error is not None and len(self.error) > ERROR_TEXT_CHARS:
-                d["error"] = self.error[:ERROR_TEXT_CHARS] + "..."
-        return d
-
-
-def error_echo(prompt: str | None, prompt_token_ids: list[int] | None) -> dict:
-    """The prompt fields of an error row: capped, with the full lengths added where a cap cut them."""
-    echo: dict[str, Any] = {"prompt": prompt, "prompt_token_ids": prompt_token_ids}
-    if prompt is not None and len(prompt) > ERROR_ECHO_CHARS:
-        echo.update(prompt=prompt[:ERROR_ECHO_CHARS], prompt_chars=len(prompt))
-    if prompt_token_ids is not None and len(prompt_token_ids) > ERROR_ECHO_TOKENS:
-        echo.update(prompt_token_ids=list(prompt_token_ids[:ERROR_ECHO_TOKENS]),
-                    prompt_num_tokens=len(prompt_token_ids))
-    return echo
-
+from spmd_engine.core.requests import (  # noqa: F401
+    ERROR_ECHO_CHARS,
+    ERROR_ECHO_TOKENS,
+    ERROR_TEXT_CHARS,
+    RequestOutput,
+    error_echo,
+)
 
 # line breaks to str.splitlines (not to JSON): escaped, so a row stays one line to any reader
 _SPLITLINES_BREAKS = {0x85: "\\u0085", 0x2028: "\\u2028", 0x2029: "\\u2029"}

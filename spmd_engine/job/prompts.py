@@ -9,9 +9,11 @@ import codecs
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from spmd_engine.core.requests import PromptRequest, validate_prompt  # noqa: F401 (re-exported)
+from spmd_engine.core.requests import shorten as _short
 
 DEFAULT_PROMPTS: list[str] = [
     "What is the capital of France? Answer in one sentence.",
@@ -31,17 +33,6 @@ OVERRIDE_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "seed": ((int, type(None)), "an integer or null"),
 }
 NO_TOKENIZER_ERROR = "prompt text given but the checkpoint has no tokenizer; pass prompt_token_ids"
-
-
-@dataclass
-class PromptRequest:
-    """One request as read: text or token ids, sampling overrides, or the one-line reason it can't run."""
-
-    index: int  # position in the job's request list (outputs are reported in this order)
-    prompt: str | None
-    prompt_token_ids: list[int] | None
-    overrides: dict[str, Any] = field(default_factory=dict)
-    error: str | None = None
 
 
 def _type_name(value: Any) -> str:
@@ -101,11 +92,6 @@ def _request_from_object(obj: Any, index: int, where: str) -> PromptRequest:
         return PromptRequest(index, None, None, {}, f"{where}: {problem}")
     overrides = {k: v for k, v in obj.items() if k in OVERRIDE_TYPES}
     return PromptRequest(index, obj.get("prompt"), obj.get("prompt_token_ids"), overrides)
-
-
-def _short(text: str, limit: int = 60) -> str:
-    """`text` cut to `limit` characters for an error line (a hostile line must not make a huge one)."""
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _parse_line(text: str, index: int, where: str) -> PromptRequest:
@@ -211,16 +197,3 @@ def tokenize(requests: list[PromptRequest], tokenizer, chat_template: bool) -> l
                 request.error = f"prompt could not be tokenized ({type(exc).__name__}{': ' if detail else ''}" \
                                 f"{_short(detail, 120)})"
     return requests
-
-
-def validate_prompt(token_ids: list[int], vocab_size: int, max_model_len: int) -> str | None:
-    """One error line, or None if the prompt fits: non-empty, ids in the vocabulary, room to generate one token."""
-    if len(token_ids) == 0:
-        return "prompt is empty"
-    for position, token in enumerate(token_ids):
-        if not 0 <= token < vocab_size:
-            return f"prompt_token_ids[{position}]={_short(str(token), 24)} is outside the vocabulary [0, {vocab_size})"
-    if len(token_ids) >= max_model_len:
-        return f"prompt has {len(token_ids)} tokens; max_model_len={max_model_len} allows at most {max_model_len - 1}"
-    return None
-
