@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.reference import COLUMN_MUL, HASH_MUL1, HASH_MUL2, LANE_A, LANE_B
+from spmd_engine.kernels.reference import COLUMN_MUL, HASH_MUL1, HASH_MUL2, LANE_A, LANE_B
 
 BLOCK = 1024
 MODE_BITS, MODE_GUMBEL = 0, 1  # raw hash (int64 out, for tests) or Gumbel noise (float32 out)

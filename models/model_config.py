@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from models.layers.rope_config import RopeConfig
+from spmd_engine.models.layers.rope_config import RopeConfig
 
 _ARCHITECTURE_BY_MODEL_TYPE = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 

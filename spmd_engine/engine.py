@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from models.model_config import ModelShape
+from spmd_engine.models.model_config import ModelShape
 from spmd_engine.config import ConfigError, EngineConfig
 from spmd_engine.core.block_manager import BlockManager
 from spmd_engine.core.plan import COMMAND_STOP, PlanBuilder
@@ -104,7 +104,7 @@ def resolve_backend(name: str, device: torch.device, block_size: int, head_dim: 
     if name == "triton":
         if device.type != "cuda":
             raise ConfigError("attention_backend=triton needs device=cuda; use torch on CPU")
-        from kernels.attention_support import supports_shape
+        from spmd_engine.kernels.attention_support import supports_shape
         if not supports_shape(block_size, head_dim):
             log.warning("triton kernels do not support block_size=%d head_dim=%d; using torch attention",
                         block_size, head_dim)
@@ -116,9 +116,9 @@ class LLM:
     """One engine instance per rank; `generate` is collective (every rank calls it)."""
 
     def __init__(self, cfg: EngineConfig, ranks: RankInfo, step_progress: StepProgress | None = None) -> None:
-        from models.loader import load_dummy_weights, load_safetensors_weights
-        from models.parallel import TensorParallel
-        from models.registry import build_model
+        from spmd_engine.models.loader import load_dummy_weights, load_safetensors_weights
+        from spmd_engine.models.parallel import TensorParallel
+        from spmd_engine.models.registry import build_model
 
         self.cfg, self.ranks = cfg, ranks
         self.step_progress = step_progress or StepProgress()  # stamped per step; the watchdog reads it

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from models.attention_metadata import AttentionMetadata
+from spmd_engine.models.attention_metadata import AttentionMetadata
 from spmd_engine.core.plan import StepPlan
 
 

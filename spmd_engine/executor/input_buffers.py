@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from models.attention_metadata import AttentionMetadata
+from spmd_engine.models.attention_metadata import AttentionMetadata
 from spmd_engine.executor.forward_batch import ForwardBatch, HostBatch
 
 _ALIGN = 256  # bytes; keeps every view aligned like a fresh allocation (Triton specialises on it)

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.kv_quant import FP8_DTYPE, pow2_scale_for_absmax
-from models.attention_metadata import AttentionMetadata
-from models.model_config import ModelShape
+from spmd_engine.kernels.kv_quant import FP8_DTYPE, pow2_scale_for_absmax
+from spmd_engine.models.attention_metadata import AttentionMetadata
+from spmd_engine.models.model_config import ModelShape
 
 log = logging.getLogger(__name__)
 

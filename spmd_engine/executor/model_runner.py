@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.model_config import ModelShape
+from spmd_engine.models.model_config import ModelShape
 from spmd_engine.distributed import all_reduce_min, broadcast_tensor, is_distributed
 from spmd_engine.executor.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from spmd_engine.executor.forward_batch import ForwardBatch, HostBatch, build_host_batch, to_device
@@ -123,7 +123,7 @@ class ModelRunner:
         return torch.cuda.max_memory_allocated() - baseline
 
     def _warmup_forward(self, seq_lens: list[int]) -> None:
-        from models.attention_metadata import AttentionMetadata
+        from spmd_engine.models.attention_metadata import AttentionMetadata
         dev = self.device
         q = torch.tensor(seq_lens, dtype=torch.int32)
         cu = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)

@@ -24,10 +24,10 @@ class ModelSource:
 
 
 def resolve_model_source(model: ModelConfig) -> ModelSource:
-    from models.checkpoint import has_tokenizer, read_hf_config, resolve_checkpoint
+    from spmd_engine.models.checkpoint import has_tokenizer, read_hf_config, resolve_checkpoint
 
     if model.path is None and model.name == EMBEDDED_MODEL_NAME and model.load_format == "auto":
-        from models.gguf import embedded_model_dir
+        from spmd_engine.models.gguf import embedded_model_dir
         path = embedded_model_dir()
         return ModelSource(read_hf_config(path), path, path, "auto")
     if model.path is None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.reference import gumbel_noise_reference
+from spmd_engine.kernels.reference import gumbel_noise_reference
 
 # below this, logits / temperature overflow float32: such rows are greedy (their limit anyway)
 MIN_TEMPERATURE = 1e-5
@@ -61,7 +61,7 @@ def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, round_: int, vocab
     """[N, vocab] float32 Gumbel noise of the rows' (seed, counter, round) streams: Triton on CUDA,
     the reference (the same hash bit for bit) elsewhere."""
     if seeds.device.type == "cuda":
-        from kernels.sampling_noise import gumbel_noise as triton_gumbel_noise
+        from spmd_engine.kernels.sampling_noise import gumbel_noise as triton_gumbel_noise
         return triton_gumbel_noise(seeds, counters, round_, vocab)
     return gumbel_noise_reference(seeds, counters, round_, vocab)
 
@@ -116,7 +116,7 @@ class Sampler:
         seeds, counters = keys[0], keys[1]
         temps = _host_to([r.temperature for r in rows], torch.float32, dev)
         if kind == "plain" and dev.type == "cuda":  # fused: the noise never leaves the registers
-            from kernels.sampling_noise import gumbel_race
+            from spmd_engine.kernels.sampling_noise import gumbel_race
             return gumbel_race(logits, temps, seeds, counters)
         z = logits / temps[:, None]  # a true division: CUDA divides by a scalar as a multiply by the
         # reciprocal, which would round otherwise than another batch's per-row division

@@ -16,7 +16,7 @@ def check_checkpoint_files(checkpoint_dir: str | os.PathLike | None) -> None:
     """Every .safetensors file the checkpoint names exists and is readable on this node."""
     if checkpoint_dir is None:
         return
-    from models.loader import safetensors_files
+    from spmd_engine.models.loader import safetensors_files
 
     try:
         files = safetensors_files(checkpoint_dir)

@@ -161,7 +161,7 @@ def read_prompts(prompts: Sequence[Any] | str | None, prompts_file: str | None) 
 
 def load_tokenizer(model_dir: str | os.PathLike | None):
     """The checkpoint's HF tokenizer, or None when it ships no tokenizer files."""
-    from models.checkpoint import has_tokenizer
+    from spmd_engine.models.checkpoint import has_tokenizer
 
     if model_dir is None or not has_tokenizer(model_dir):
         return None

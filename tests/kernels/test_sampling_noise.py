@@ -4,8 +4,8 @@ rounding; and the hash's streams for other seeds, counters and rounds are unrela
 import pytest
 import torch
 
-from kernels.reference import gumbel_noise_reference, sampling_hash_reference
-from kernels.sampling_noise import BLOCK, gumbel_noise, gumbel_race, sampling_hash
+from spmd_engine.kernels.reference import gumbel_noise_reference, sampling_hash_reference
+from spmd_engine.kernels.sampling_noise import BLOCK, gumbel_noise, gumbel_race, sampling_hash
 from tests.kernels.paged_batch import DEVICE, gpu_case
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::RuntimeWarning")  # interpreter

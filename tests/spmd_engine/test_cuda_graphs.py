@@ -3,10 +3,10 @@ import numpy as np
 import pytest
 import torch
 
-from models.loader import load_dummy_weights
-from models.model_config import ModelShape
-from models.parallel import TensorParallel
-from models.registry import build_model
+from spmd_engine.models.loader import load_dummy_weights
+from spmd_engine.models.model_config import ModelShape
+from spmd_engine.models.parallel import TensorParallel
+from spmd_engine.models.registry import build_model
 from spmd_engine.executor.cuda_graphs import decode_step, graph_batch_sizes
 from spmd_engine.executor.forward_batch import build_host_batch, to_device
 from spmd_engine.executor.input_buffers import InputBuffers

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.kv_quant import FP8_DTYPE, FP8_MAX
-from models.model_config import ModelShape
+from spmd_engine.kernels.kv_quant import FP8_DTYPE, FP8_MAX
+from spmd_engine.models.model_config import ModelShape
 from spmd_engine.config import ConfigError, engine_config_from_dict
 from spmd_engine.distributed import RankInfo
 from spmd_engine.engine import LLM
