@@ -87,13 +87,13 @@ import time, torch, yaml
 from torch.profiler import ProfilerActivity, profile
 from spmd_engine.config import engine_config_from_dict
 from spmd_engine.distributed import RankInfo
-from spmd_engine.engine import LLM
+from spmd_engine.engine import Engine
 from spmd_engine.job.workloads import bench_requests
 
 model = yaml.safe_load(open("conf/model/qwen3.yaml"))
 model["load_format"] = "dummy"
 raw = {"model": model, "workload": {"name": "bench"}, "max_model_len": 4096, "log_level": "WARNING"}
-llm = LLM(engine_config_from_dict(raw), RankInfo(0, 1, 0, "127.0.0.1", 0, "single"))
+llm = Engine(engine_config_from_dict(raw), RankInfo(0, 1, 0, "127.0.0.1", 0, "single"))
 for n in (1, 256):
     reqs = bench_requests({"num_seqs": n, "min_input_len": 600, "max_input_len": 600, "min_output_len": 40,
                            "max_output_len": 40})

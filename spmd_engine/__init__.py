@@ -30,3 +30,17 @@ class _CheckoutFolders(importlib.abc.MetaPathFinder):
 
 if not any(isinstance(f, _CheckoutFolders) for f in sys.meta_path):
     sys.meta_path.insert(0, _CheckoutFolders())
+
+
+_PUBLIC = ("LLM", "SamplingParams", "GenerationOutput", "CompletionOutput")
+__all__ = list(_PUBLIC)
+
+
+def __getattr__(name: str):
+    """`from spmd_engine import LLM, SamplingParams`, imported on first use: `import spmd_engine.config`
+    (run.py's rank discovery, the config checks) stays free of torch and transformers."""
+    if name in _PUBLIC:
+        from spmd_engine import llm
+
+        return getattr(llm, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,6 +1,6 @@
-"""LLM: the user-facing engine and the SPMD step loop.
+"""Engine: one rank's engine and the SPMD step loop (the public `spmd_engine.LLM` wraps it).
 
-Every rank constructs an LLM and calls `generate` with the same arguments. Rank 0 schedules,
+Every rank constructs an Engine and calls `generate` with the same arguments. Rank 0 schedules,
 broadcasts one StepPlan per step, samples and post-processes; the other ranks follow the plans
 until the stop plan. The data path of one step, in order:
 scheduler.schedule -> PlanBuilder.build -> broadcast -> ModelRunner.stage/launch -> Sampler
@@ -112,7 +112,7 @@ def resolve_backend(name: str, device: torch.device, block_size: int, head_dim: 
     return name
 
 
-class LLM:
+class Engine:
     """One engine instance per rank; `generate` is collective (every rank calls it)."""
 
     def __init__(self, cfg: EngineConfig, ranks: RankInfo, step_progress: StepProgress | None = None) -> None:
@@ -236,7 +236,7 @@ class LLM:
 class _Generation:
     """Rank 0's state for one generate call: scheduler, plans, sampler and the outputs."""
 
-    def __init__(self, llm: LLM, requests: list[PromptRequest], on_finish, decode, progress: bool) -> None:
+    def __init__(self, llm: Engine, requests: list[PromptRequest], on_finish, decode, progress: bool) -> None:
         cfg = llm.cfg
         self.llm = llm
         self.on_finish = on_finish or (lambda out: None)

@@ -17,7 +17,7 @@ import torch
 
 from spmd_engine.config import ConfigError, EngineConfig, engine_config_from_dict, startup_settings
 from spmd_engine.distributed import RankInfo, all_reduce_min, init_process_group
-from spmd_engine.engine import LLM, agreed
+from spmd_engine.engine import Engine, agreed
 from spmd_engine.faults.error_line import error_line, report_error, write_error_file
 from spmd_engine.job.metrics import summarize, write_metrics
 from spmd_engine.job.outputs import OutputsWriter, RequestOutput, read_outputs, resume_mismatch
@@ -50,7 +50,7 @@ def run_job(raw_cfg: dict[str, Any], overrides: list[str], ranks: RankInfo, outp
     supervisor = supervisor or Supervisor(ranks)
     started = time.time()
     metrics: dict[str, Any] = {"overrides": overrides, "status": "failed", "world_size": ranks.world_size}
-    llm: LLM | None = None
+    llm: Engine | None = None
     run_dir_lock: RunDirLock | None = None
     refused: list[str] = []  # rank 0's run dir was refused: write nothing into it (metrics.json neither)
     try:
@@ -61,7 +61,7 @@ def run_job(raw_cfg: dict[str, Any], overrides: list[str], ranks: RankInfo, outp
         supervisor.attach(startup.dist_timeout_s)
         cfg = agreed(lambda: engine_config_from_dict(raw_cfg))
         run_dir_lock = agreed(lambda: _start_checks(cfg, output_dir, refused) if ranks.is_first else None)
-        llm = LLM(cfg, ranks, step_progress=supervisor.progress)
+        llm = Engine(cfg, ranks, step_progress=supervisor.progress)
         metrics.update(_generate(llm, cfg, ranks, output_dir, supervisor))
         metrics["status"] = "ok"
     except ConfigError as exc:  # every rank raises it (engine.agreed) or none does
@@ -113,7 +113,7 @@ def _write(metrics: dict, raw_cfg: dict, ranks: RankInfo, output_dir: Path | Non
         write_metrics(output_dir / "metrics.json", metrics)
 
 
-def _generate(llm: LLM, cfg: EngineConfig, ranks: RankInfo, output_dir: Path | None,
+def _generate(llm: Engine, cfg: EngineConfig, ranks: RankInfo, output_dir: Path | None,
               supervisor: Supervisor) -> dict:
     gate = supervisor.start_gate()
     llm.faults.before_requests()

@@ -14,7 +14,7 @@ import torch
 
 from spmd_engine.config import engine_config_from_dict
 from spmd_engine.distributed import RankInfo
-from spmd_engine.engine import LLM
+from spmd_engine.engine import Engine
 from spmd_engine.job.outputs import RequestOutput
 from spmd_engine.job.prompts import PromptRequest
 from tests.helpers.tiny_checkpoints import make_tiny_checkpoint
@@ -56,15 +56,15 @@ def hf_greedy(path: Path, prompts: list[list[int]], new_tokens: int, eos_token_i
     return results
 
 
-def make_llm(path: Path, **engine: object) -> LLM:
+def make_llm(path: Path, **engine: object) -> Engine:
     raw = {"model": {"name": "tiny", "path": str(path), "load_format": "auto", "hf_config": {}},
            "workload": {"name": "chat"},
            "sampling": {"temperature": 0.0, "max_tokens": NEW_TOKENS, "ignore_eos": True},
            "device": "cpu", "dtype": "float32", "num_kv_blocks": 256, **engine}
-    return LLM(engine_config_from_dict(raw), SINGLE)
+    return Engine(engine_config_from_dict(raw), SINGLE)
 
 
-def generate(llm: LLM, prompts: list[list[int]], **overrides: object) -> list[RequestOutput]:
+def generate(llm: Engine, prompts: list[list[int]], **overrides: object) -> list[RequestOutput]:
     outs = llm.generate([PromptRequest(i, None, p, dict(overrides)) for i, p in enumerate(prompts)])
     assert [o.error for o in outs] == [None] * len(prompts)
     return outs
