@@ -13,19 +13,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from spmd_engine.core.sequence import SamplingParams
+
 
 class ConfigError(ValueError):
     """A user-caused configuration problem; the message is one line naming the key and limit."""
-
-
-@dataclass
-class SamplingDefaults:
-    temperature: float = 0.6
-    top_p: float = 0.95
-    top_k: int = -1
-    max_tokens: int = 256
-    ignore_eos: bool = False
-    seed: int | None = None
 
 
 @dataclass
@@ -46,7 +38,7 @@ class WorkloadConfig:
 class EngineConfig:
     model: ModelConfig
     workload: WorkloadConfig
-    sampling: SamplingDefaults
+    sampling: SamplingParams  # the job's defaults for every request (conf's sampling.*)
     prompts: list[str] | None = None
     prompts_file: str | None = None
     chat_template: bool = True
@@ -210,17 +202,14 @@ def _workload_params(name: str, params: dict[str, Any]) -> dict[str, Any]:
     return checked
 
 
-def sampling_defaults_from_dict(sampling: dict[str, Any]) -> SamplingDefaults:
+def sampling_defaults_from_dict(sampling: dict[str, Any]) -> SamplingParams:
     """The job-wide `sampling.*` defaults, checked by the same SamplingParams.validate that checks each
     request's own values (a bad one here fails the job before the model loads; in a prompts file, one row)."""
-    from spmd_engine.core.sequence import SamplingParams
-
-    _reject_unknown(sampling, [f.name for f in dataclasses.fields(SamplingDefaults)], "sampling.")
+    _reject_unknown(sampling, [f.name for f in dataclasses.fields(SamplingParams)], "sampling.")
     try:
-        params = SamplingParams.from_dict(sampling, SamplingParams(**vars(SamplingDefaults())))
+        return SamplingParams.from_dict(sampling)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    return SamplingDefaults(**vars(params))
 
 
 def engine_config_from_dict(cfg: dict[str, Any]) -> EngineConfig:

@@ -253,7 +253,7 @@ class _Generation:
         self.builder = PlanBuilder()
         self.sampler = Sampler(llm.device)
         self.generation = llm.step  # tells this generate call's unseeded request seeds from another's
-        self.defaults = SamplingParams(**vars(cfg.sampling))
+        self.defaults = cfg.sampling
         self.outputs: list[RequestOutput] = []
         self.live: dict[int, tuple[Sequence, RequestOutput]] = {}
         self.requests = requests

@@ -28,12 +28,15 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed tak
 
 @dataclass
 class SamplingParams:
-    """How to pick tokens for one request; the public config names are `sampling.<field>`."""
+    """How to pick tokens for one request: the one definition of the sampling parameters and their
+    defaults (the public `SamplingParams`, the job's `sampling.*`, a prompts-file row's overrides).
+    conf/config.yaml lists the same keys and values so that `sampling.KEY=VALUE` overrides exist on the
+    command line; tests/spmd_engine/test_config.py checks that the two agree."""
 
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0  # nucleus mass in (0, 1]; 1 = off
+    temperature: float = 0.6  # 0 = greedy
+    top_p: float = 0.95  # nucleus mass in (0, 1]; 1 = off
     top_k: int = -1  # -1 or 0 = off
-    max_tokens: int = 16  # generated tokens at most
+    max_tokens: int = 256  # generated tokens at most
     ignore_eos: bool = False
     seed: int | None = None  # per-request noise seed; None = one drawn from the engine `seed`
 

@@ -20,7 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import spmd_engine.engine as engine_module
-from spmd_engine.config import EngineConfig, ModelConfig, SamplingDefaults, WorkloadConfig
+from spmd_engine.config import EngineConfig, ModelConfig, WorkloadConfig
+from spmd_engine.core.sequence import SamplingParams
 from spmd_engine.engine import _Generation
 from spmd_engine.core.plan import COMMAND_STOP, BlockTableMirror, StepPlan
 from spmd_engine.faults.progress import StepProgress
@@ -68,7 +69,7 @@ def run_loop(prompts: list[list[int]], max_tokens: list[int], *, block_size: int
              max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int, prefix_caching: bool,
              async_scheduling: bool, seed: int = 0, ignore_eos: bool = False) -> tuple[FakeRunner, _Generation]:
     cfg = EngineConfig(model=ModelConfig("fake", None, "dummy", {}), workload=WorkloadConfig("chat"),
-                       sampling=SamplingDefaults(temperature=0.0, max_tokens=16, ignore_eos=ignore_eos),
+                       sampling=SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=ignore_eos),
                        block_size=block_size, num_kv_blocks=num_blocks, max_num_seqs=max_num_seqs,
                        max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                        enable_prefix_caching=prefix_caching, async_scheduling=async_scheduling, device="cpu")
