@@ -70,7 +70,7 @@ class DecodeGraphs:
         side = torch.cuda.Stream()
         graphs: dict[int, _Graph] = {}
         for n in reversed(sizes):
-            batch = buffers.load(_empty_decode(n, max_blocks), rows=n)
+            batch = buffers.load(HostBatch.padding(n, max_blocks), rows=n)
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(WARMUP_RUNS):
@@ -119,18 +119,6 @@ class DecodeGraphs:
         self.sizes = []
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-
-
-def _empty_decode(rows: int, max_blocks: int) -> HostBatch:
-    """A decode batch of `rows` padding rows (nothing read or stored): the capture's inputs."""
-    import numpy as np
-
-    zeros = np.zeros(rows, dtype=np.int64)
-    return HostBatch(input_ids=zeros, positions=zeros, slot_mapping=np.full(rows, -1, dtype=np.int64),
-                     cu_seqlens_q=np.arange(rows + 1, dtype=np.int32), seq_lens=np.zeros(rows, dtype=np.int32),
-                     block_tables=np.zeros((rows, max_blocks), dtype=np.int32),
-                     logits_indices=np.arange(rows, dtype=np.int64), max_query_len=1, max_seq_len=0,
-                     is_decode=True)
 
 
 def _ranges(sizes: list[int]) -> str:

@@ -14,9 +14,42 @@ from spmd_engine.models.attention_metadata import AttentionMetadata
 from spmd_engine.core.plan import StepPlan
 
 
+# What a field's length counts: the step's tokens T, its sequences B, B + 1, or B rows of max_blocks
+TOKENS, SEQS, SEQS_PLUS_ONE, TABLE_ROWS = "tokens", "seqs", "seqs+1", "table_rows"
+
+
+@dataclass(frozen=True)
+class BatchField:
+    """One host array of a step. Declared once: the host batch, the persistent input buffers (and so
+    the CUDA graphs captured on them) and the start-up warm-up all take their layout from BATCH_FIELDS."""
+
+    name: str
+    dtype: type  # np.int64 | np.int32
+    extent: str  # TOKENS | SEQS | SEQS_PLUS_ONE | TABLE_ROWS
+    pad: int | None  # what a padding token / sequence holds (decode graphs); None: not a padded field
+
+    def capacity(self, max_tokens: int, max_seqs: int, max_blocks: int) -> int:
+        return {TOKENS: max_tokens, SEQS: max_seqs, SEQS_PLUS_ONE: max_seqs + 1,
+                TABLE_ROWS: max_seqs * max_blocks}[self.extent]
+
+
+BATCH_FIELDS: tuple[BatchField, ...] = (
+    BatchField("input_ids", np.int64, TOKENS, 0),
+    BatchField("positions", np.int64, TOKENS, 0),
+    BatchField("slot_mapping", np.int64, TOKENS, -1),  # -1: the token's K/V is not stored
+    BatchField("logits_indices", np.int64, SEQS, None),  # rows of the hidden states that get logits
+    BatchField("deferred_positions", np.int64, SEQS, None),
+    BatchField("deferred_rows", np.int64, SEQS, None),
+    BatchField("cu_seqlens_q", np.int32, SEQS_PLUS_ONE, None),  # a padding sequence is one token
+    BatchField("seq_lens", np.int32, SEQS, 0),  # 0: attention reads nothing for the row
+    BatchField("block_tables", np.int32, TABLE_ROWS, 0),  # last: a copy stops after the rows in use
+)
+
+
 @dataclass
 class HostBatch:
-    """The host-side arrays of one step (kept separate so CUDA graphs can copy them into static buffers)."""
+    """The host-side arrays of one step (kept separate so CUDA graphs can copy them into static buffers);
+    the array fields are BATCH_FIELDS."""
 
     input_ids: np.ndarray  # [T] int64
     positions: np.ndarray  # [T] int64
@@ -39,6 +72,32 @@ class HostBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    @classmethod
+    def padding(cls, rows: int, max_blocks: int) -> HostBatch:
+        """A decode batch of `rows` padding rows (nothing read or stored): the CUDA graphs' capture input."""
+        arrays = {f.name: np.full((rows, max_blocks) if f.extent == TABLE_ROWS else rows, f.pad, dtype=f.dtype)
+                  for f in BATCH_FIELDS if f.pad is not None}
+        return cls(**arrays, cu_seqlens_q=np.arange(rows + 1, dtype=np.int32),
+                   logits_indices=np.arange(rows, dtype=np.int64), max_query_len=1, max_seq_len=0, is_decode=True)
+
+    @classmethod
+    def unstored_prefill(cls, seq_lens: list[int]) -> HostBatch:
+        """Whole prefills of `seq_lens` tokens that store no K/V (padding ids and slots, one zero block
+        table row each): the start-up warm-up that measures activation memory before the KV cache."""
+        pads = {f.name: f for f in BATCH_FIELDS}
+        q = np.asarray(seq_lens, dtype=np.int64)
+        cu = np.zeros(len(q) + 1, dtype=np.int64)
+        np.cumsum(q, out=cu[1:])
+        total = int(cu[-1])
+
+        def padded(name: str, shape) -> np.ndarray:
+            return np.full(shape, pads[name].pad, dtype=pads[name].dtype)
+
+        return cls(input_ids=padded("input_ids", total), positions=np.concatenate([np.arange(n) for n in q]),
+                   slot_mapping=padded("slot_mapping", total), cu_seqlens_q=cu.astype(np.int32),
+                   seq_lens=q.astype(np.int32), block_tables=padded("block_tables", (len(q), 1)),
+                   logits_indices=cu[1:] - 1, max_query_len=int(q.max()), max_seq_len=int(q.max()), is_decode=False)
 
 
 @dataclass

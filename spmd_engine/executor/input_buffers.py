@@ -13,10 +13,11 @@ import numpy as np
 import torch
 
 from spmd_engine.models.attention_metadata import AttentionMetadata
-from spmd_engine.executor.forward_batch import ForwardBatch, HostBatch
+from spmd_engine.executor.forward_batch import BATCH_FIELDS, TOKENS, ForwardBatch, HostBatch
 
 _ALIGN = 256  # bytes; keeps every view aligned like a fresh allocation (Triton specialises on it)
 _NUMPY = {torch.int64: np.int64, torch.int32: np.int32}
+_TORCH = {np_type: torch_type for torch_type, np_type in _NUMPY.items()}
 
 
 @dataclass(frozen=True)
@@ -32,15 +33,10 @@ class BufferField:
 
 
 def _layout(max_tokens: int, max_seqs: int, max_blocks: int) -> tuple[dict[str, BufferField], int]:
-    specs = [("input_ids", torch.int64, max_tokens), ("positions", torch.int64, max_tokens),
-             ("slot_mapping", torch.int64, max_tokens), ("logits_indices", torch.int64, max_seqs),
-             ("deferred_positions", torch.int64, max_seqs), ("deferred_rows", torch.int64, max_seqs),
-             ("cu_seqlens_q", torch.int32, max_seqs + 1), ("seq_lens", torch.int32, max_seqs),
-             ("block_tables", torch.int32, max_seqs * max_blocks)]
     fields, offset = {}, 0
-    for name, dtype, numel in specs:
-        field = BufferField(name, dtype, numel, offset)
-        fields[name] = field
+    for spec in BATCH_FIELDS:
+        field = BufferField(spec.name, _TORCH[spec.dtype], spec.capacity(max_tokens, max_seqs, max_blocks), offset)
+        fields[spec.name] = field
         offset += -(-field.nbytes // _ALIGN) * _ALIGN
     return fields, offset
 
@@ -83,24 +79,16 @@ class InputBuffers:
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copy has left the staging buffer
         a = self._np
-        a["input_ids"][:num_tokens] = host.input_ids
-        a["positions"][:num_tokens] = host.positions
-        a["slot_mapping"][:num_tokens] = host.slot_mapping
-        a["seq_lens"][:num_seqs] = host.seq_lens
-        a["cu_seqlens_q"][: num_seqs + 1] = host.cu_seqlens_q
-        a["block_tables"][:num_seqs] = host.block_tables
-        num_logits = len(host.logits_indices)
-        a["logits_indices"][:num_logits] = host.logits_indices
-        num_deferred = len(host.deferred_positions)
-        a["deferred_positions"][:num_deferred] = host.deferred_positions
-        a["deferred_rows"][:num_deferred] = host.deferred_rows
-        if rows > num_seqs:
-            a["input_ids"][num_tokens:tokens] = 0
-            a["positions"][num_tokens:tokens] = 0
-            a["slot_mapping"][num_tokens:tokens] = -1
-            a["seq_lens"][num_seqs:rows] = 0
+        for spec in BATCH_FIELDS:
+            value = getattr(host, spec.name)
+            a[spec.name][: len(value)] = value
+        if rows > num_seqs:  # padding rows, as BATCH_FIELDS declares them
+            for spec in BATCH_FIELDS:
+                if spec.pad is not None:
+                    start, end = (num_tokens, tokens) if spec.extent == TOKENS else (num_seqs, rows)
+                    a[spec.name][start:end] = spec.pad
             a["cu_seqlens_q"][num_seqs + 1: rows + 1] = np.arange(num_tokens + 1, tokens + 1, dtype=np.int32)
-            a["block_tables"][num_seqs:rows] = 0
+        num_logits, num_deferred = len(host.logits_indices), len(host.deferred_positions)
         tables = self.fields["block_tables"]
         end = tables.offset + rows * self.max_blocks * 4
         self.dev[:end].copy_(self.host[:end], non_blocking=True)

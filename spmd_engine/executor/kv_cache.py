@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from spmd_engine.kernels.kv_quant import FP8_DTYPE, pow2_scale_for_absmax
-from spmd_engine.models.attention_metadata import AttentionMetadata
 from spmd_engine.models.model_config import ModelShape
+from spmd_engine.executor.forward_batch import HostBatch, to_device
 
 log = logging.getLogger(__name__)
 
@@ -137,13 +137,8 @@ def measure_kv_absmax(model: torch.nn.Module, token_ids: torch.Tensor, device: t
     for layer in layers:
         layer.kv_absmax = torch.zeros(2, layer.num_kv_heads, dtype=torch.float32, device=device)
     try:
-        attn = AttentionMetadata(
-            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
-            cu_seqlens_q=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
-            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
-            block_tables=torch.zeros(1, 1, dtype=torch.int32, device=device),
-            max_query_len=num_tokens, max_seq_len=num_tokens, block_size=1, is_decode=False)
-        model(token_ids.to(device), torch.arange(num_tokens, device=device), attn)
+        batch = to_device(HostBatch.unstored_prefill([num_tokens]), 1, device)  # stores nothing
+        model(token_ids.to(device), batch.positions, batch.attn)
         return torch.stack([layer.kv_absmax for layer in layers])
     finally:
         for layer in layers:

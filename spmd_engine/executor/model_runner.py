@@ -123,21 +123,11 @@ class ModelRunner:
         return torch.cuda.max_memory_allocated() - baseline
 
     def _warmup_forward(self, seq_lens: list[int]) -> None:
-        from spmd_engine.models.attention_metadata import AttentionMetadata
-        dev = self.device
-        q = torch.tensor(seq_lens, dtype=torch.int32)
-        cu = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
-        cu[1:] = q.cumsum(0)
-        positions = torch.cat([torch.arange(n) for n in seq_lens]).to(dev)
-        attn = AttentionMetadata(
-            slot_mapping=torch.full((int(cu[-1]),), -1, dtype=torch.int64, device=dev),
-            cu_seqlens_q=cu.to(dev), seq_lens=q.to(dev),
-            block_tables=torch.zeros(len(seq_lens), 1, dtype=torch.int32, device=dev),
-            max_query_len=max(seq_lens), max_seq_len=max(seq_lens), block_size=self.settings.block_size,
-            is_decode=False)
-        input_ids = torch.zeros(int(cu[-1]), dtype=torch.int64, device=dev)
-        hidden = self.model(input_ids, positions, attn)
-        last = (cu[1:] - 1).to(dev).long()
+        host = HostBatch.unstored_prefill(seq_lens)
+        batch = to_device(host, self.settings.block_size, self.device)
+        hidden = self.model(batch.input_ids, batch.positions, batch.attn)
+        # logits for max_num_seqs rows (the sampled rows of the largest step): the last tokens, repeated
+        last = batch.logits_indices
         rows = last.repeat(-(-self.settings.max_num_seqs // len(seq_lens)))[: self.settings.max_num_seqs]
         self.model.compute_logits(hidden[rows])
 
