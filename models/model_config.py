@@ -93,6 +93,3 @@ class ModelShape:
     def kv_heads_per_rank(self, tp_size: int) -> int:
         """KV heads each rank stores (1 when KV heads are replicated across ranks)."""
         return max(1, self.num_kv_heads // tp_size)
-
-    def heads_per_rank(self, tp_size: int) -> int:
-        return self.num_heads // tp_size

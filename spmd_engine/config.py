@@ -79,8 +79,8 @@ class EngineConfig:
                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         _check(self.max_model_len is None or self.max_model_len >= 2,
                f"max_model_len must be >= 2 or null, got {self.max_model_len}")
-        _check(self.attention_backend in ("auto", "triton", "torch", "flash_attn"),
-               f"attention_backend must be one of auto|triton|torch|flash_attn, got {self.attention_backend!r}")
+        _check(self.attention_backend in ("auto", "triton", "torch"),
+               f"attention_backend must be one of auto|triton|torch, got {self.attention_backend!r}")
         _check(self.device in ("auto", "cuda", "cpu"), f"device must be one of auto|cuda|cpu, got {self.device!r}")
         _check(self.dtype in ("auto", "bfloat16", "float16", "float32"),
                f"dtype must be one of auto|bfloat16|float16|float32, got {self.dtype!r}")

@@ -98,9 +98,6 @@ def resolve_max_model_len(requested: int | None, shape: ModelShape) -> int:
 def resolve_backend(name: str, device: torch.device, block_size: int, head_dim: int) -> str:
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
-    if name == "flash_attn":
-        raise ConfigError("attention_backend=flash_attn is not available: flash_attn is not importable here "
-                          "(pip install spmd-engine[flash]); use auto, triton or torch")
     if name == "triton":
         if device.type != "cuda":
             raise ConfigError("attention_backend=triton needs device=cuda; use torch on CPU")

@@ -19,7 +19,8 @@ from spmd_engine.executor.forward_batch import ForwardBatch, HostBatch, build_ho
 from spmd_engine.executor.input_buffers import InputBuffers
 from spmd_engine.executor.kv_cache import (FP8_CALIBRATION_TOKENS, CudaMemoryBudget, KVCacheSpec, allocate_kv_cache,
                                   bind_kv_scales, blocks_for_bytes, calibrate_fp8_kv_scales, planned_num_blocks)
-from spmd_engine.core.plan import BlockTableMirror, StepPlan
+from spmd_engine.core.plan import StepPlan
+from spmd_engine.executor.block_table import BlockTableMirror
 
 log = logging.getLogger(__name__)
 

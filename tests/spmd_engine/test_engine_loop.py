@@ -23,7 +23,8 @@ import spmd_engine.engine as engine_module
 from spmd_engine.config import EngineConfig, ModelConfig, WorkloadConfig
 from spmd_engine.core.sequence import SamplingParams
 from spmd_engine.engine import _Generation
-from spmd_engine.core.plan import COMMAND_STOP, BlockTableMirror, StepPlan
+from spmd_engine.core.plan import COMMAND_STOP, StepPlan
+from spmd_engine.executor.block_table import BlockTableMirror
 from spmd_engine.faults.progress import StepProgress
 from spmd_engine.job.prompts import PromptRequest
 
