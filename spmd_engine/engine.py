@@ -24,7 +24,6 @@ import torch
 
 from spmd_engine.models.model_config import ModelShape
 from spmd_engine.config import ConfigError, EngineConfig
-from spmd_engine.core.block_manager import BlockManager
 from spmd_engine.core.plan import COMMAND_STOP, PlanBuilder
 from spmd_engine.core.requests import PromptRequest, RequestOutput, validate_prompt
 from spmd_engine.core.scheduler import ScheduleOutput, Scheduler, SchedulerConfig
@@ -166,11 +165,11 @@ class Engine:
                  f" ({self.runner.memory_budget.describe()})" if self.runner.memory_budget else "")
         self.step = 0
         self.last_run: dict[str, Any] = {}  # step counts and step timing of the last generate call (rank 0)
-        # rank 0: the KV pool's bookkeeping outlives one generate call, so the prefix cache still hits
-        # in the next one (the KV tensors it indexes live as long as the runner)
-        self.block_manager: BlockManager | None = None
+        # rank 0: the scheduler and its block manager live as long as the engine, so the prefix cache
+        # still hits in the next generate call (the KV tensors it indexes live as long as the runner)
+        self.scheduler: Scheduler | None = None
         if ranks.is_first:
-            self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+            self.scheduler = new_scheduler(cfg, self.max_model_len, self.runner.num_blocks, self.shape.eos_token_ids)
         # Everything built so far lives as long as the engine: keep it out of the cyclic garbage
         # collector's full passes, which otherwise walk every KV block's bookkeeping object (tens of
         # ms at 100k+ blocks) in the middle of steps. `close` hands it back to the collector.
@@ -208,7 +207,17 @@ class Engine:
         if not self.ranks.is_first:
             self._follow_plans()
             return []
-        return _Generation(self, requests, on_finish, decode, progress).run()
+        if self.scheduler.has_unfinished() or self.scheduler.block_manager.num_used_blocks:
+            # an earlier call ended half-way (an exception): start from a clean pool
+            self.scheduler = new_scheduler(self.cfg, self.max_model_len, self.runner.num_blocks,
+                                           self.shape.eos_token_ids)
+        generation = _Generation(self, requests, on_finish, decode, progress)
+        try:
+            outputs = generation.run()
+        finally:
+            self.step = generation.step  # a failed call's steps count too: step numbers never repeat
+        self.last_run = generation.summary
+        return outputs
 
     def _follow_plans(self) -> None:
         first = True
@@ -217,7 +226,7 @@ class Engine:
             first = False
             plan = broadcast_object(None)
             if plan.command == COMMAND_STOP:
-                self.runner.mirror.apply(plan)  # forget the last tables
+                self.runner.apply_stop(plan)
                 self.step_progress.idle()
                 return
             self.step_progress.step(plan.step)
@@ -230,6 +239,12 @@ class Engine:
         del self.model
 
 
+def new_scheduler(cfg: EngineConfig, max_model_len: int, num_blocks: int, eos_token_ids) -> Scheduler:
+    """Rank 0's scheduler over a fresh pool of `num_blocks` KV blocks."""
+    return Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, max_model_len, cfg.block_size,
+                                     num_blocks, cfg.enable_prefix_caching), set(eos_token_ids))
+
+
 class _Generation:
     """Rank 0's state for one generate call: scheduler, plans, sampler and the outputs."""
 
@@ -239,17 +254,13 @@ class _Generation:
         self.on_finish = on_finish or (lambda out: None)
         self.decode = decode
         self.progress = progress
-        kept = llm.block_manager
-        if kept is not None and kept.num_used_blocks:  # an earlier run ended half-way: start clean
-            kept = None
-        self.scheduler = Scheduler(
-            SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, llm.max_model_len, cfg.block_size,
-                            llm.runner.num_blocks, cfg.enable_prefix_caching),
-            set(llm.shape.eos_token_ids), kept)
-        llm.block_manager = self.scheduler.block_manager
+        self.scheduler = llm.scheduler  # the engine's, for its life
+        self.preemptions_before = self.scheduler.num_preemptions
         self.builder = PlanBuilder()
         self.sampler = Sampler(llm.device)
         self.generation = llm.step  # tells this generate call's unseeded request seeds from another's
+        self.step = llm.step  # the engine's step counter, handed back at the end with `summary`
+        self.summary: dict[str, Any] = {}
         self.defaults = cfg.sampling
         self.outputs: list[RequestOutput] = []
         self.live: dict[int, tuple[Sequence, RequestOutput]] = {}
@@ -285,7 +296,7 @@ class _Generation:
         launched: _Launched | None = None  # forward queued, logits not sampled yet
         sampled: _Sampled | None = None  # tokens sampled on the device, not yet on the host
         while True:
-            llm.step_progress.step(llm.step)
+            llm.step_progress.step(self.step)
             t0 = time.perf_counter()
             tokens = sampled.host_tokens() if sampled is not None else None  # waits for the GPU
             t1 = time.perf_counter()
@@ -298,7 +309,7 @@ class _Generation:
             schedule = self.scheduler.schedule()
             # every schedule goes through the builder, even one that runs nothing: it may still have
             # preempted or finished sequences, whose drops the builder sends with the next plan
-            plan = self.builder.build(schedule, llm.step)
+            plan = self.builder.build(schedule, self.step)
             if plan is None:  # every running sequence waits for the step in flight
                 if launched is None:
                     raise RuntimeError("scheduler made no progress (no sequence fits the KV pool)")
@@ -324,22 +335,22 @@ class _Generation:
             t8 = time.perf_counter()
             steps += 1
             decode_steps += int(plan.is_decode)
-            llm.step += 1
+            self.step += 1
             timer.add(plan.num_seqs, plan.num_tokens, plan.is_decode, wait=t1 - t0, postprocess=t2 - t1,
                       schedule=t3 - t2, broadcast=t4 - t3, inputs=t5 - t4, sample=t6 - t5 + t8 - t7,
                       forward=t7 - t6)
-        stop = self.builder.stop_plan(llm.step)
+        stop = self.builder.stop_plan(self.step)
         broadcast_object(stop)
-        llm.runner.mirror.apply(stop)
+        llm.runner.apply_stop(stop)
         llm.step_progress.idle()
         self.bar.close()
         timer.set_gpu_idle(timeline.idle_ms())
         cached = sum(o.num_cached_tokens for o in self.outputs)
-        llm.last_run = {"steps": steps, "decode_steps": decode_steps, "async_scheduling": llm.cfg.async_scheduling,
-                        "preemptions": self.scheduler.num_preemptions, "cached_prompt_tokens": cached,
-                        "step_timing": timer.summary()}
+        preemptions = self.scheduler.num_preemptions - self.preemptions_before
+        self.summary = {"steps": steps, "decode_steps": decode_steps, "async_scheduling": llm.cfg.async_scheduling,
+                        "preemptions": preemptions, "cached_prompt_tokens": cached, "step_timing": timer.summary()}
         log.info("generate: %d steps (%d decode), %d preemptions, %d prompt tokens from the prefix cache",
-                 steps, decode_steps, self.scheduler.num_preemptions, cached)
+                 steps, decode_steps, preemptions, cached)
         self.outputs.sort(key=lambda o: o.index)
         return self.outputs
 

@@ -192,6 +192,10 @@ class ModelRunner:
         broadcast_tensor(shared)
         return shared
 
+    def apply_stop(self, plan: StepPlan) -> None:
+        """The end of a generate call: forget the tables of the sequences it ran."""
+        self.mirror.apply(plan)
+
     def close(self) -> None:
         """Free CUDA graphs before the process group goes (NCCL hangs on destroy otherwise)."""
         if self.graphs is not None:

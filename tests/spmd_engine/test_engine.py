@@ -244,6 +244,6 @@ def test_a_run_that_failed_half_way_leaves_the_next_one_a_clean_pool(tiny):
     requests = [PromptRequest(i, None, p, {"max_tokens": 2 if i == 0 else NEW_TOKENS}) for i, p in enumerate(PROMPTS)]
     with pytest.raises(RuntimeError, match="client went away"):  # at the first finish, the others hold blocks
         llm.generate(requests, on_finish=client_went_away)
-    assert llm.block_manager is not None and llm.block_manager.num_used_blocks > 0
+    assert llm.scheduler.block_manager.num_used_blocks > 0
     assert tokens(generate(llm, PROMPTS)) == expected
-    assert llm.block_manager.num_used_blocks == 0
+    assert llm.scheduler.block_manager.num_used_blocks == 0

@@ -59,6 +59,9 @@ class FakeRunner:
         self.checked_steps += 1
         return plan
 
+    def apply_stop(self, plan: StepPlan) -> None:
+        self.mirror.apply(plan)
+
     def launch(self, plan: StepPlan, prev_tokens: torch.Tensor | None) -> torch.Tensor | None:
         if plan.num_prev_sampled:
             assert prev_tokens is not None and prev_tokens.shape[0] >= plan.num_prev_sampled
@@ -75,7 +78,8 @@ def run_loop(prompts: list[list[int]], max_tokens: list[int], *, block_size: int
                        max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                        enable_prefix_caching=prefix_caching, async_scheduling=async_scheduling, device="cpu")
     runner = FakeRunner(num_blocks, -(-max_model_len // block_size), block_size, seed)
-    llm = SimpleNamespace(cfg=cfg, max_model_len=max_model_len, runner=runner, block_manager=None,
+    llm = SimpleNamespace(cfg=cfg, max_model_len=max_model_len, runner=runner,
+                          scheduler=engine_module.new_scheduler(cfg, max_model_len, num_blocks, [EOS]),
                           shape=SimpleNamespace(eos_token_ids=[EOS], vocab_size=VOCAB), device=torch.device("cpu"),
                           step=0, step_progress=StepProgress(), faults=SimpleNamespace(before_step=lambda step: None))
     requests = [PromptRequest(i, None, p, {"max_tokens": m}) for i, (p, m) in enumerate(zip(prompts, max_tokens))]
