@@ -156,6 +156,7 @@ class Engine:
         self.kv_capacity = KVCapacity(self.runner.num_blocks, cfg.block_size, self.runner.spec.bytes_per_block)
         agreed(lambda: self._check_kv_capacity(self.kv_capacity.num_blocks))
         self.faults = FaultInjector.from_config(cfg.fault, ranks.rank)
+        self.faults.install(self.runner)  # test-only: a configured step fault wraps the runner's launch
         log.info("engine: block_size=%d max_model_len=%d max_num_seqs=%d max_num_batched_tokens=%d "
                  "prefix_caching=%s cuda_graphs=%s device=%s", cfg.block_size, self.max_model_len,
                  cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.enable_prefix_caching,
@@ -230,7 +231,6 @@ class Engine:
                 self.step_progress.idle()
                 return
             self.step_progress.step(plan.step)
-            self.faults.before_step(plan.step)
             self.runner.execute(plan)
 
     def close(self) -> None:
@@ -323,7 +323,6 @@ class _Generation:
             if launched is not None:  # the step in flight: its tokens are this plan's deferred inputs
                 sampled, launched = self._sample(launched, timeline), None
             t6 = time.perf_counter()
-            llm.faults.before_step(plan.step)
             timeline.mark(steps, "forward_start")
             logits = llm.runner.launch(staged, sampled.tokens if sampled is not None else None)
             timeline.mark(steps, "forward_end")

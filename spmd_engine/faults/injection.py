@@ -41,6 +41,19 @@ class FaultInjector:
         return cls(my_rank if rank in (my_rank, EVERY_RANK) else None, int(fault.get("step", 0)), kind,
                    float(fault.get("seconds", 0.0)))
 
+    def install(self, runner) -> None:
+        """Test hook: with a step fault configured for this rank, the runner's `launch` acts it out
+        just before step S's forward; otherwise the runner is left untouched (no call per step)."""
+        if self.rank is None or self.kind not in STEP_KINDS:
+            return
+        launch = runner.launch
+
+        def launch_with_fault(staged, prev_tokens=None):
+            self.before_step(staged.plan.step)
+            return launch(staged, prev_tokens)
+
+        runner.launch = launch_with_fault
+
     def before_requests(self) -> None:
         if self.rank is not None and self.kind == "slow_start":
             time.sleep(self.seconds)
