@@ -16,7 +16,8 @@ from typing import Any, Union
 from spmd_engine.config import ConfigError, engine_config_from_dict, startup_settings
 from spmd_engine.core.requests import PromptRequest, RequestOutput
 from spmd_engine.core.sequence import SamplingParams
-from spmd_engine.distributed import RankInfo, broadcast_object, discover_ranks, init_process_group
+from spmd_engine.distributed import (RankInfo, broadcast_object, destroy_process_group, discover_ranks,
+                                     init_process_group, is_distributed)
 from spmd_engine.engine import Engine, agreed
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -87,6 +88,7 @@ class LLM:
         raw = compose_config(model, engine_keys)
         ranks = discover_ranks()
         startup = startup_settings(raw)
+        self._owns_group = ranks.world_size > 1 and not is_distributed()  # torchrun/srun: this LLM makes it
         init_process_group(ranks, startup.device != "cpu" and _cuda_available(), startup.timeout_s,
                            startup.rendezvous_timeout_s)
         cfg = agreed(lambda: engine_config_from_dict(raw))
@@ -96,6 +98,7 @@ class LLM:
     def from_engine(cls, engine: Engine) -> LLM:
         """Wrap an engine built elsewhere (the Hydra job builds its own, with its supervisor)."""
         llm = cls.__new__(cls)
+        llm._owns_group = False
         llm._init(engine)
         return llm
 
@@ -133,8 +136,12 @@ class LLM:
         return self._run(requests, use_tqdm)
 
     def close(self) -> None:
-        """Free the model, the KV cache and the CUDA graphs (collective)."""
+        """Free the model, the KV cache and the CUDA graphs, and the process group if this LLM made it
+        (collective: a process that exits with a live gloo/NCCL group may abort at interpreter exit)."""
         self.engine.close()
+        if self._owns_group:
+            destroy_process_group()
+            self._owns_group = False
 
     # --- rank 0 builds the requests; every rank runs them ------------------------------------
     def _request(self, index: int, prompt: Prompt, params: SamplingParams | None) -> PromptRequest:
