@@ -2,7 +2,7 @@
 """spmd-engine entry point: every rank runs this same program (python, torchrun or srun).
 
 Thin on purpose: rank discovery happens before Hydra so that only rank 0 gets an output
-directory; everything else lives in spmd_engine.job. Ranks are discovered again, and the
+directory; everything else lives in spmd_engine.job.hydra_job. Ranks are discovered again, and the
 process's Supervisor (signals, step watchdog, fault reports) is made, inside `main`: a Hydra
 launcher may pickle `main` and run it in other processes (submitit runs it in slurm tasks).
 """
@@ -19,8 +19,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from spmd_engine.distributed import RankInfo, destroy_process_group, discover_ranks
-from spmd_engine.job import run_job
-from spmd_engine.supervisor import Supervisor
+from spmd_engine.job.hydra_job import run_job
+from spmd_engine.faults.supervisor import Supervisor
 
 RANKS = discover_ranks()
 SUPERVISORS: list[Supervisor] = []  # this process's one Supervisor, made by the first job it runs

@@ -16,16 +16,16 @@ from functools import lru_cache
 import torch
 import triton.testing
 
-from kernels.decode_attention import (
+from spmd_engine.kernels.decode_attention import (
     DecodeConfig,
     decode_num_splits,
     default_decode_config,
     paged_decode_attention,
 )
-from kernels.kv_quant import FP8_DTYPE
-from kernels.kv_store import store_kv
-from kernels.prefill_attention import PrefillConfig, default_prefill_config, paged_prefill_attention
-from kernels.reference import paged_attention_reference
+from spmd_engine.kernels.kv_quant import FP8_DTYPE
+from spmd_engine.kernels.kv_store import store_kv
+from spmd_engine.kernels.prefill_attention import PrefillConfig, default_prefill_config, paged_prefill_attention
+from spmd_engine.kernels.reference import paged_attention_reference
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, DTYPE = 16, 8, 128, torch.bfloat16  # Qwen3-0.6B
 KV_FP8 = False  # --kv-fp8: float8_e4m3fn caches with per-KV-head scales

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
-from kernels.rms_norm import rms_norm
-from kernels.rotary import apply_rotary
-from kernels.silu_and_mul import silu_and_mul
+from spmd_engine.kernels.rms_norm import rms_norm
+from spmd_engine.kernels.rotary import apply_rotary
+from spmd_engine.kernels.silu_and_mul import silu_and_mul
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, EPS = 28, 1024, 16, 8, 128, 3072, 1e-6  # Qwen3-0.6B
 

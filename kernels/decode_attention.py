@@ -19,9 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_support import check_attention_inputs, dot_precision, supports_shape
-from kernels.kv_quant import check_kv_scales
-from kernels.paged_kv_tile import paged_tile_offsets
+from spmd_engine.kernels.attention_support import check_attention_inputs, dot_precision, supports_shape
+from spmd_engine.kernels.kv_quant import check_kv_scales
+from spmd_engine.kernels.paged_kv_tile import paged_tile_offsets
 
 _LOG2_E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 128  # below this a split's launch/merge cost outweighs the extra parallelism

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_quant import FP8_MAX, check_kv_scales
+from spmd_engine.kernels.kv_quant import FP8_MAX, check_kv_scales
 
 _E4M3_MAX = tl.constexpr(FP8_MAX)
 _E4M3_MIN_NORMAL = tl.constexpr(0.015625)  # 2**-6; below it e4m3fn is subnormal, a fixed step of 2**-9

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels.kv_quant import check_kv_scales, quantize_fp8_reference
+from spmd_engine.kernels.kv_quant import check_kv_scales, quantize_fp8_reference
 
 
 def store_kv_reference(

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.reference import COLUMN_MUL, HASH_MUL1, HASH_MUL2, LANE_A, LANE_B
+from spmd_engine.kernels.reference import COLUMN_MUL, HASH_MUL1, HASH_MUL2, LANE_A, LANE_B
 
 BLOCK = 1024
 MODE_BITS, MODE_GUMBEL = 0, 1  # raw hash (int64 out, for tests) or Gumbel noise (float32 out)
@@ -335,7 +335,7 @@ def nucleus_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ps: tor
                    counters: torch.Tensor, rounds: int) -> torch.Tensor:
     """Exact top-p draws (top_p in (0, 1)) without a host sync or a sort: `rounds` rejection rounds
     (round r: the row's (seed, counter, r) noise), then the exact nucleus by bisection and round
-    `rounds` noise. The same algorithm as the sampler's torch path (`spmd_engine.sampler._sample_nucleus`),
+    `rounds` noise. The same algorithm as the sampler's torch path (`spmd_engine.executor.sampler._sample_nucleus`),
     token for token up to summation rounding at the nucleus boundary. logits [N, V] (last dim
     contiguous), temperatures / top_ps [N] float32, seeds / counters [N] int64 -> [N] int64.
 

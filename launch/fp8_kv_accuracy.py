@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from models.attention_metadata import AttentionMetadata
-from models.causal_lm import CausalLM
-from spmd_engine.kv_cache import (FP8_CALIBRATION_TOKENS, FP8_SCALE_HEADROOM, KVCacheSpec, allocate_kv_cache,
+from spmd_engine.models.attention_metadata import AttentionMetadata
+from spmd_engine.models.causal_lm import CausalLM
+from spmd_engine.executor.kv_cache import (FP8_CALIBRATION_TOKENS, FP8_SCALE_HEADROOM, KVCacheSpec, allocate_kv_cache,
                                   bind_kv_scales, calibrate_fp8_kv_scales, fp8_calibration_ids, measure_kv_absmax,
                                   resolve_kv_cache_dtype)
 
@@ -129,10 +129,10 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from models.gguf import embedded_model_dir
-    from models.loader import load_safetensors_weights
-    from models.parallel import TensorParallel
-    from models.registry import build_model
+    from spmd_engine.models.gguf import embedded_model_dir
+    from spmd_engine.models.loader import load_safetensors_weights
+    from spmd_engine.models.parallel import TensorParallel
+    from spmd_engine.models.registry import build_model
 
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     model_dir = embedded_model_dir()

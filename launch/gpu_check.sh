@@ -40,7 +40,7 @@ for stage in $stages; do
       note "sampler: one step's sampling of 256 rows x Qwen3 vocab (median ms)"
       CUDA_VISIBLE_DEVICES=0 timeout -k 10 60 python - <<'PY' 2>&1 | tee -a "$LOG"
 import torch, triton.testing
-from spmd_engine.sampler import Sampler, SamplingRow
+from spmd_engine.executor.sampler import Sampler, SamplingRow
 logits = torch.randn(256, 151936, device="cuda") * 2
 sampler = Sampler(torch.device("cuda"))
 flat = torch.randn(256, 151936, device="cuda") * 0.05  # nearly flat rows: a nucleus of ~140k tokens
@@ -104,13 +104,13 @@ import time, torch, yaml
 from torch.profiler import ProfilerActivity, profile
 from spmd_engine.config import engine_config_from_dict
 from spmd_engine.distributed import RankInfo
-from spmd_engine.engine import LLM
-from spmd_engine.workloads import bench_requests
+from spmd_engine.engine import Engine
+from spmd_engine.job.workloads import bench_requests
 
 model = yaml.safe_load(open("conf/model/qwen3.yaml"))
 model["load_format"] = "dummy"
 raw = {"model": model, "workload": {"name": "bench"}, "max_model_len": 4096, "log_level": "WARNING"}
-llm = LLM(engine_config_from_dict(raw), RankInfo(0, 1, 0, "127.0.0.1", 0, "single"))
+llm = Engine(engine_config_from_dict(raw), RankInfo(0, 1, 0, "127.0.0.1", 0, "single"))
 for n in (1, 256):
     reqs = bench_requests({"num_seqs": n, "min_input_len": 600, "max_input_len": 600, "min_output_len": 40,
                            "max_output_len": 40})

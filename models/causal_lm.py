@@ -11,11 +11,11 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from models.attention_metadata import AttentionMetadata
-from models.layers.attention import Attention
-from models.layers.embedding import ParallelLMHead
-from models.model_config import ModelShape
-from models.parallel import TensorParallel
+from spmd_engine.models.attention_metadata import AttentionMetadata
+from spmd_engine.models.layers.attention import Attention
+from spmd_engine.models.layers.embedding import ParallelLMHead
+from spmd_engine.models.model_config import ModelShape
+from spmd_engine.models.parallel import TensorParallel
 
 ShardId = str | int | None
 

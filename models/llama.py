@@ -9,16 +9,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.attention_metadata import AttentionMetadata
-from models.causal_lm import CausalLM
-from models.layers.activation import SiluAndMul
-from models.layers.attention import Attention
-from models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from models.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from models.layers.norm import RMSNorm
-from models.layers.rotary import RotaryEmbedding, apply_rotary
-from models.model_config import ModelShape
-from models.parallel import TensorParallel
+from spmd_engine.models.attention_metadata import AttentionMetadata
+from spmd_engine.models.causal_lm import CausalLM
+from spmd_engine.models.layers.activation import SiluAndMul
+from spmd_engine.models.layers.attention import Attention
+from spmd_engine.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from spmd_engine.models.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from spmd_engine.models.layers.norm import RMSNorm
+from spmd_engine.models.layers.rotary import RotaryEmbedding, apply_rotary
+from spmd_engine.models.model_config import ModelShape
+from spmd_engine.models.parallel import TensorParallel
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
 

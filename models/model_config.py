@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from models.layers.rope_config import RopeConfig
+from spmd_engine.models.layers.rope_config import RopeConfig
 
 _ARCHITECTURE_BY_MODEL_TYPE = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 
@@ -93,6 +93,3 @@ class ModelShape:
     def kv_heads_per_rank(self, tp_size: int) -> int:
         """KV heads each rank stores (1 when KV heads are replicated across ranks)."""
         return max(1, self.num_kv_heads // tp_size)
-
-    def heads_per_rank(self, tp_size: int) -> int:
-        return self.num_heads // tp_size

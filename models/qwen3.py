@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from models.layers.norm import RMSNorm
-from models.llama import LlamaAttention, LlamaForCausalLM
-from models.model_config import ModelShape
-from models.parallel import TensorParallel
+from spmd_engine.models.layers.norm import RMSNorm
+from spmd_engine.models.llama import LlamaAttention, LlamaForCausalLM
+from spmd_engine.models.model_config import ModelShape
+from spmd_engine.models.parallel import TensorParallel
 
 
 class Qwen3Attention(LlamaAttention):

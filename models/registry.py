@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from models.causal_lm import CausalLM
-from models.llama import LlamaForCausalLM
-from models.model_config import ModelShape
-from models.parallel import TensorParallel
-from models.qwen3 import Qwen3ForCausalLM
+from spmd_engine.models.causal_lm import CausalLM
+from spmd_engine.models.llama import LlamaForCausalLM
+from spmd_engine.models.model_config import ModelShape
+from spmd_engine.models.parallel import TensorParallel
+from spmd_engine.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,

@@ -13,30 +13,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from spmd_engine.core.sequence import SamplingParams
+
 
 class ConfigError(ValueError):
     """A user-caused configuration problem; the message is one line naming the key and limit."""
-
-
-@dataclass
-class SamplingDefaults:
-    temperature: float = 0.6
-    top_p: float = 0.95
-    top_k: int = -1
-    max_tokens: int = 256
-    ignore_eos: bool = False
-    seed: int | None = None
-    # stop conditions and log-probabilities (see SamplingParams); the job-wide defaults of every request
-    stop: list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    min_tokens: int = 0
-    include_stop_str_in_output: bool = False
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
 
 
 @dataclass
@@ -57,7 +38,7 @@ class WorkloadConfig:
 class EngineConfig:
     model: ModelConfig
     workload: WorkloadConfig
-    sampling: SamplingDefaults
+    sampling: SamplingParams  # the job's defaults for every request (conf's sampling.*)
     prompts: list[str] | None = None
     prompts_file: str | None = None
     chat_template: bool = True
@@ -84,7 +65,7 @@ class EngineConfig:
     dist_timeout_s: float = 45.0
     startup_timeout_s: float = 600.0
     log_level: str = "INFO"
-    fault: dict[str, Any] | None = None  # test-only fault injection (see spmd_engine/faults.py)
+    fault: dict[str, Any] | None = None  # test-only fault injection (see spmd_engine/faults/injection.py)
 
     def validate(self, world_size: int) -> None:
         """Raise ConfigError on the first bad key (checks that need no model or device)."""
@@ -100,8 +81,8 @@ class EngineConfig:
                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         _check(self.max_model_len is None or self.max_model_len >= 2,
                f"max_model_len must be >= 2 or null, got {self.max_model_len}")
-        _check(self.attention_backend in ("auto", "triton", "torch", "flash_attn"),
-               f"attention_backend must be one of auto|triton|torch|flash_attn, got {self.attention_backend!r}")
+        _check(self.attention_backend in ("auto", "triton", "torch"),
+               f"attention_backend must be one of auto|triton|torch, got {self.attention_backend!r}")
         _check(self.device in ("auto", "cuda", "cpu"), f"device must be one of auto|cuda|cpu, got {self.device!r}")
         _check(self.dtype in ("auto", "bfloat16", "float16", "float32"),
                f"dtype must be one of auto|bfloat16|float16|float32, got {self.dtype!r}")
@@ -232,17 +213,14 @@ def _workload_params(name: str, params: dict[str, Any]) -> dict[str, Any]:
     return checked
 
 
-def sampling_defaults_from_dict(sampling: dict[str, Any]) -> SamplingDefaults:
+def sampling_defaults_from_dict(sampling: dict[str, Any]) -> SamplingParams:
     """The job-wide `sampling.*` defaults, checked by the same SamplingParams.validate that checks each
     request's own values (a bad one here fails the job before the model loads; in a prompts file, one row)."""
-    from spmd_engine.sequence import SamplingParams
-
-    _reject_unknown(sampling, [f.name for f in dataclasses.fields(SamplingDefaults)], "sampling.")
+    _reject_unknown(sampling, [f.name for f in dataclasses.fields(SamplingParams)], "sampling.")
     try:
-        params = SamplingParams.from_dict(sampling, SamplingParams(**vars(SamplingDefaults())))
+        return SamplingParams.from_dict(sampling)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    return SamplingDefaults(**vars(params))
 
 
 def engine_config_from_dict(cfg: dict[str, Any]) -> EngineConfig:

@@ -1,6 +1,6 @@
-"""LLM: the user-facing engine and the SPMD step loop.
+"""Engine: one rank's engine and the SPMD step loop (the public `spmd_engine.LLM` wraps it).
 
-Every rank constructs an LLM and calls `generate` with the same arguments. Rank 0 schedules,
+Every rank constructs an Engine and calls `generate` with the same arguments. Rank 0 schedules,
 broadcasts one StepPlan per step, samples and post-processes; the other ranks follow the plans
 until the stop plan. The data path of one step, in order:
 scheduler.schedule -> PlanBuilder.build -> broadcast -> ModelRunner.stage/launch -> Sampler
@@ -22,30 +22,27 @@ from typing import Any
 import numpy as np
 import torch
 
-from models.model_config import ModelShape
-from spmd_engine.block_manager import BlockManager
+from spmd_engine.models.model_config import ModelShape
 from spmd_engine.config import ConfigError, EngineConfig
-from spmd_engine.detokenizer import OutputText
+from spmd_engine.core.detokenizer import OutputText
+from spmd_engine.core.plan import COMMAND_STOP, PlanBuilder
+from spmd_engine.core.requests import PromptRequest, RequestOutput, validate_prompt
+from spmd_engine.core.scheduler import ScheduleOutput, Scheduler, SchedulerConfig
+from spmd_engine.core.sequence import SamplingParams, Sequence
 from spmd_engine.distributed import RankInfo, broadcast_object, gather_errors
-from spmd_engine.faults import FaultInjector
-from spmd_engine.gpu_timeline import GpuTimeline
-from spmd_engine.kv_cache import KVCacheSpec, planned_num_blocks
-from spmd_engine.logits_processors import apply_min_tokens, apply_penalties_and_min_p
-from spmd_engine.logprobs import (PendingLogprobs, SampledLogprobRows, compute_logprobs, entry, host_to_device,
-                                  prompt_logit_count)
-from spmd_engine.metrics import KVCapacity
-from spmd_engine.model_runner import ModelRunner, RunnerSettings
-from spmd_engine.model_source import ModelSource, resolve_model_source
-from spmd_engine.outputs import RequestOutput
-from spmd_engine.plan import COMMAND_STOP, PlanBuilder
-from spmd_engine.preflight import check_checkpoint_files
-from spmd_engine.progress import StepProgress
-from spmd_engine.prompts import PromptRequest, validate_prompt
-from spmd_engine.sampler import Sampler, SamplingRow, request_seed
-from spmd_engine.scheduler import ScheduleOutput, Scheduler, SchedulerConfig
-from spmd_engine.sequence import SamplingParams, Sequence
-from spmd_engine.step_timing import StepTimer
-from spmd_engine.token_readback import TokenReadback
+from spmd_engine.executor.kv_cache import KVCacheSpec, KVCapacity, planned_num_blocks
+from spmd_engine.executor.logits_processors import apply_min_tokens, apply_penalties_and_min_p
+from spmd_engine.executor.logprobs import (PendingLogprobs, SampledLogprobRows, compute_logprobs, entry,
+                                           host_to_device, prompt_logit_count)
+from spmd_engine.executor.model_runner import ModelRunner, RunnerSettings
+from spmd_engine.executor.model_source import ModelSource, resolve_model_source
+from spmd_engine.executor.sampler import Sampler, SamplingRow, request_seed
+from spmd_engine.executor.token_readback import TokenReadback
+from spmd_engine.faults.injection import FaultInjector
+from spmd_engine.faults.preflight import check_checkpoint_files
+from spmd_engine.faults.progress import StepProgress
+from spmd_engine.telemetry.gpu_timeline import GpuTimeline
+from spmd_engine.telemetry.step_timing import StepTimer
 
 log = logging.getLogger(__name__)
 
@@ -104,13 +101,10 @@ def resolve_max_model_len(requested: int | None, shape: ModelShape) -> int:
 def resolve_backend(name: str, device: torch.device, block_size: int, head_dim: int) -> str:
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
-    if name == "flash_attn":
-        raise ConfigError("attention_backend=flash_attn is not available: flash_attn is not importable here "
-                          "(pip install spmd-engine[flash]); use auto, triton or torch")
     if name == "triton":
         if device.type != "cuda":
             raise ConfigError("attention_backend=triton needs device=cuda; use torch on CPU")
-        from kernels.attention_support import supports_shape
+        from spmd_engine.kernels.attention_support import supports_shape
         if not supports_shape(block_size, head_dim):
             log.warning("triton kernels do not support block_size=%d head_dim=%d; using torch attention",
                         block_size, head_dim)
@@ -118,13 +112,13 @@ def resolve_backend(name: str, device: torch.device, block_size: int, head_dim: 
     return name
 
 
-class LLM:
+class Engine:
     """One engine instance per rank; `generate` is collective (every rank calls it)."""
 
     def __init__(self, cfg: EngineConfig, ranks: RankInfo, step_progress: StepProgress | None = None) -> None:
-        from models.loader import load_dummy_weights, load_safetensors_weights
-        from models.parallel import TensorParallel
-        from models.registry import build_model
+        from spmd_engine.models.loader import load_dummy_weights, load_safetensors_weights
+        from spmd_engine.models.parallel import TensorParallel
+        from spmd_engine.models.registry import build_model
 
         self.cfg, self.ranks = cfg, ranks
         self.step_progress = step_progress or StepProgress()  # stamped per step; the watchdog reads it
@@ -166,6 +160,7 @@ class LLM:
         self.kv_capacity = KVCapacity(self.runner.num_blocks, cfg.block_size, self.runner.spec.bytes_per_block)
         agreed(lambda: self._check_kv_capacity(self.kv_capacity.num_blocks))
         self.faults = FaultInjector.from_config(cfg.fault, ranks.rank)
+        self.faults.install(self.runner)  # test-only: a configured step fault wraps the runner's launch
         log.info("engine: block_size=%d max_model_len=%d max_num_seqs=%d max_num_batched_tokens=%d "
                  "prefix_caching=%s cuda_graphs=%s device=%s", cfg.block_size, self.max_model_len,
                  cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.enable_prefix_caching,
@@ -175,11 +170,11 @@ class LLM:
                  f" ({self.runner.memory_budget.describe()})" if self.runner.memory_budget else "")
         self.step = 0
         self.last_run: dict[str, Any] = {}  # step counts and step timing of the last generate call (rank 0)
-        # rank 0: the KV pool's bookkeeping outlives one generate call, so the prefix cache still hits
-        # in the next one (the KV tensors it indexes live as long as the runner)
-        self.block_manager: BlockManager | None = None
+        # rank 0: the scheduler and its block manager live as long as the engine, so the prefix cache
+        # still hits in the next generate call (the KV tensors it indexes live as long as the runner)
+        self.scheduler: Scheduler | None = None
         if ranks.is_first:
-            self.block_manager = BlockManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+            self.scheduler = new_scheduler(cfg, self.max_model_len, self.runner.num_blocks, self.shape.eos_token_ids)
         # Everything built so far lives as long as the engine: keep it out of the cyclic garbage
         # collector's full passes, which otherwise walk every KV block's bookkeeping object (tens of
         # ms at 100k+ blocks) in the middle of steps. `close` hands it back to the collector.
@@ -220,9 +215,18 @@ class LLM:
         if not self.ranks.is_first:
             self._follow_plans()
             return []
+        if self.scheduler.has_unfinished() or self.scheduler.block_manager.num_used_blocks:
+            # an earlier call ended half-way (an exception): start from a clean pool
+            self.scheduler = new_scheduler(self.cfg, self.max_model_len, self.runner.num_blocks,
+                                           self.shape.eos_token_ids)
         generation = _Generation(self, requests, on_finish, decode, progress)
         generation.token_text = token_text or ((lambda t: decode([t])) if decode else None)
-        return generation.run()
+        try:
+            outputs = generation.run()
+        finally:
+            self.step = generation.step  # a failed call's steps count too: step numbers never repeat
+        self.last_run = generation.summary
+        return outputs
 
     def _follow_plans(self) -> None:
         first = True
@@ -231,11 +235,10 @@ class LLM:
             first = False
             plan = broadcast_object(None)
             if plan.command == COMMAND_STOP:
-                self.runner.mirror.apply(plan)  # forget the last tables
+                self.runner.apply_stop(plan)
                 self.step_progress.idle()
                 return
             self.step_progress.step(plan.step)
-            self.faults.before_step(plan.step)
             self.runner.execute(plan)
 
     def close(self) -> None:
@@ -244,23 +247,23 @@ class LLM:
         del self.model
 
 
+def new_scheduler(cfg: EngineConfig, max_model_len: int, num_blocks: int, eos_token_ids) -> Scheduler:
+    """Rank 0's scheduler over a fresh pool of `num_blocks` KV blocks."""
+    return Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, max_model_len, cfg.block_size,
+                                     num_blocks, cfg.enable_prefix_caching), set(eos_token_ids))
+
+
 class _Generation:
     """Rank 0's state for one generate call: scheduler, plans, sampler and the outputs."""
 
-    def __init__(self, llm: LLM, requests: list[PromptRequest], on_finish, decode, progress: bool) -> None:
+    def __init__(self, llm: Engine, requests: list[PromptRequest], on_finish, decode, progress: bool) -> None:
         cfg = llm.cfg
         self.llm = llm
         self.on_finish = on_finish or (lambda out: None)
         self.decode = decode
         self.progress = progress
-        kept = llm.block_manager
-        if kept is not None and kept.num_used_blocks:  # an earlier run ended half-way: start clean
-            kept = None
-        self.scheduler = Scheduler(
-            SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, llm.max_model_len, cfg.block_size,
-                            llm.runner.num_blocks, cfg.enable_prefix_caching),
-            set(llm.shape.eos_token_ids), kept)
-        llm.block_manager = self.scheduler.block_manager
+        self.scheduler = llm.scheduler  # the engine's, for its life
+        self.preemptions_before = self.scheduler.num_preemptions
         self.scheduler.stop_string_check = self._stop_string
         self.texts: dict[int, OutputText] = {}  # seq_id -> its followed text (requests with stop strings)
         self.token_text: Callable[[int], str] | None = None
@@ -270,7 +273,9 @@ class _Generation:
         self.builder = PlanBuilder()
         self.sampler = Sampler(llm.device)
         self.generation = llm.step  # tells this generate call's unseeded request seeds from another's
-        self.defaults = SamplingParams(**vars(cfg.sampling))
+        self.step = llm.step  # the engine's step counter, handed back at the end with `summary`
+        self.summary: dict[str, Any] = {}
+        self.defaults = cfg.sampling
         self.outputs: list[RequestOutput] = []
         self.live: dict[int, tuple[Sequence, RequestOutput]] = {}
         self.requests = requests
@@ -316,7 +321,7 @@ class _Generation:
         launched: _Launched | None = None  # forward queued, logits not sampled yet
         sampled: _Sampled | None = None  # tokens sampled on the device, not yet on the host
         while True:
-            llm.step_progress.step(llm.step)
+            llm.step_progress.step(self.step)
             t0 = time.perf_counter()
             tokens = sampled.host_tokens() if sampled is not None else None  # waits for the GPU
             t1 = time.perf_counter()
@@ -329,7 +334,7 @@ class _Generation:
             schedule = self.scheduler.schedule()
             # every schedule goes through the builder, even one that runs nothing: it may still have
             # preempted or finished sequences, whose drops the builder sends with the next plan
-            plan = self.builder.build(schedule, llm.step)
+            plan = self.builder.build(schedule, self.step)
             if plan is None:  # every running sequence waits for the step in flight
                 if launched is None:
                     raise RuntimeError("scheduler made no progress (no sequence fits the KV pool)")
@@ -343,7 +348,6 @@ class _Generation:
             if launched is not None:  # the step in flight: its tokens are this plan's deferred inputs
                 sampled, launched = self._sample(launched, timeline), None
             t6 = time.perf_counter()
-            llm.faults.before_step(plan.step)
             timeline.mark(steps, "forward_start")
             logits = llm.runner.launch(staged, sampled.tokens if sampled is not None else None)
             timeline.mark(steps, "forward_end")
@@ -355,22 +359,22 @@ class _Generation:
             t8 = time.perf_counter()
             steps += 1
             decode_steps += int(plan.is_decode)
-            llm.step += 1
+            self.step += 1
             timer.add(plan.num_seqs, plan.num_tokens, plan.is_decode, wait=t1 - t0, postprocess=t2 - t1,
                       schedule=t3 - t2, broadcast=t4 - t3, inputs=t5 - t4, sample=t6 - t5 + t8 - t7,
                       forward=t7 - t6)
-        stop = self.builder.stop_plan(llm.step)
+        stop = self.builder.stop_plan(self.step)
         broadcast_object(stop)
-        llm.runner.mirror.apply(stop)
+        llm.runner.apply_stop(stop)
         llm.step_progress.idle()
         self.bar.close()
         timer.set_gpu_idle(timeline.idle_ms())
         cached = sum(o.num_cached_tokens for o in self.outputs)
-        llm.last_run = {"steps": steps, "decode_steps": decode_steps, "async_scheduling": llm.cfg.async_scheduling,
-                        "preemptions": self.scheduler.num_preemptions, "cached_prompt_tokens": cached,
-                        "step_timing": timer.summary()}
+        preemptions = self.scheduler.num_preemptions - self.preemptions_before
+        self.summary = {"steps": steps, "decode_steps": decode_steps, "async_scheduling": llm.cfg.async_scheduling,
+                        "preemptions": preemptions, "cached_prompt_tokens": cached, "step_timing": timer.summary()}
         log.info("generate: %d steps (%d decode), %d preemptions, %d prompt tokens from the prefix cache",
-                 steps, decode_steps, self.scheduler.num_preemptions, cached)
+                 steps, decode_steps, preemptions, cached)
         self.outputs.sort(key=lambda o: o.index)
         return self.outputs
 

@@ -10,6 +10,6 @@ import pytest
 @pytest.fixture(scope="session")
 def smollm2_dir():
     """The embedded SmolLM2-135M-Instruct as a HF directory, converted once into the shared cache."""
-    from models.gguf import embedded_model_dir
+    from spmd_engine.models.gguf import embedded_model_dir
 
     return embedded_model_dir()

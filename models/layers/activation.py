@@ -14,7 +14,7 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and x.dim() == 2 and x.stride(1) == 1:
-            from kernels.silu_and_mul import silu_and_mul
+            from spmd_engine.kernels.silu_and_mul import silu_and_mul
 
             return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)

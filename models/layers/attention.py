@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.reference import paged_attention_reference, store_kv_reference
-from models.attention_metadata import AttentionMetadata
+from spmd_engine.kernels.reference import paged_attention_reference, store_kv_reference
+from spmd_engine.models.attention_metadata import AttentionMetadata
 
 ATTENTION_BACKENDS = ("torch", "triton")
 
@@ -60,15 +60,15 @@ class Attention(nn.Module):
                                          attn.block_tables, self.scale, self.k_scale, self.v_scale)
 
     def _triton_paged(self, q, k, v, attn: AttentionMetadata) -> torch.Tensor:
-        from kernels.kv_store import store_kv
+        from spmd_engine.kernels.kv_store import store_kv
 
         store_kv(k, v, self.k_cache, self.v_cache, attn.slot_mapping, self.k_scale, self.v_scale)
         if attn.is_decode:
-            from kernels.decode_attention import paged_decode_attention
+            from spmd_engine.kernels.decode_attention import paged_decode_attention
 
             return paged_decode_attention(q, self.k_cache, self.v_cache, attn.seq_lens, attn.block_tables,
                                           self.scale, k_scale=self.k_scale, v_scale=self.v_scale)
-        from kernels.prefill_attention import paged_prefill_attention
+        from spmd_engine.kernels.prefill_attention import paged_prefill_attention
 
         return paged_prefill_attention(q, self.k_cache, self.v_cache, attn.cu_seqlens_q, attn.seq_lens,
                                        attn.block_tables, self.scale, attn.max_query_len,

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.layers.linear import matmul_fp32_out
-from models.layers.weight_loading import copy_checked, new_parameter
-from models.parallel import TensorParallel
+from spmd_engine.models.layers.linear import matmul_fp32_out
+from spmd_engine.models.layers.weight_loading import copy_checked, new_parameter
+from spmd_engine.models.parallel import TensorParallel
 
 
 class _VocabShardedWeight(nn.Module):

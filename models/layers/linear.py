@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.layers.weight_loading import copy_checked, new_parameter, replicated_loader
-from models.parallel import TensorParallel
+from spmd_engine.models.layers.weight_loading import copy_checked, new_parameter, replicated_loader
+from spmd_engine.models.parallel import TensorParallel
 
 
 def divide(total: int, parts: int, what: str) -> int:

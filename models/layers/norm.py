@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.layers.weight_loading import new_parameter
+from spmd_engine.models.layers.weight_loading import new_parameter
 
 
 class RMSNorm(nn.Module):
@@ -25,7 +25,7 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`norm(x)`; with `residual`: `(norm(x + residual), x + residual)`."""
         if x.is_cuda and x.dim() in (2, 3) and x.stride(-1) == 1:
-            from kernels.rms_norm import rms_norm
+            from spmd_engine.kernels.rms_norm import rms_norm
 
             return rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:

@@ -11,7 +11,7 @@ import math
 import torch
 from torch import nn
 
-from models.layers.rope_config import RopeConfig
+from spmd_engine.models.layers.rope_config import RopeConfig
 
 
 def _base_inv_freq(theta: float, dim: int) -> torch.Tensor:
@@ -116,7 +116,7 @@ class RotaryEmbedding(nn.Module):
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [T, H, D] by the angles of its tokens (rotate-half layout); returns x's dtype."""
     if x.is_cuda and x.stride(-1) == 1 and cos.stride() == sin.stride() and cos.stride(-1) == 1:
-        from kernels.rotary import apply_rotary as rotary_kernel  # one launch instead of ~7
+        from spmd_engine.kernels.rotary import apply_rotary as rotary_kernel  # one launch instead of ~7
 
         return rotary_kernel(x, cos, sin)
     cos = cos.to(x.dtype)[:, None, :]

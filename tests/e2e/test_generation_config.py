@@ -6,7 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
-from spmd_engine.generation_defaults import explicit_sampling_keys
+from spmd_engine.job.generation_defaults import explicit_sampling_keys
 from tests.e2e.engine_args import write_prompts_file
 from tests.helpers.run_engine import read_outputs, run_engines
 

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from spmd_engine.outputs import read_outputs
+from spmd_engine.job.outputs import read_outputs
 from tests.helpers.run_engine import REPO, engine_command, engine_env
 
 

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from models.model_config import ModelShape
+from spmd_engine.models.model_config import ModelShape
 from spmd_engine.config import ConfigError
 from spmd_engine.engine import resolve_max_model_len
 from tests.faults.engine_runs import greedy, make_llm, token_requests

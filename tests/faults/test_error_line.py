@@ -1,6 +1,6 @@
 import logging
 
-from spmd_engine.error_line import report_error
+from spmd_engine.faults.error_line import report_error
 
 
 def test_one_line_on_stderr_and_in_the_log_file_only(tmp_path, capsys):

@@ -2,7 +2,7 @@ import socket
 
 import torch.distributed as dist
 
-from spmd_engine.fault_board import ERROR, PEER, FaultBoard, FaultEntry
+from spmd_engine.faults.fault_board import ERROR, PEER, FaultBoard, FaultEntry
 
 
 def entry(rank, kind=ERROR, **kw):

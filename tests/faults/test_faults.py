@@ -2,7 +2,7 @@ import time
 
 import pytest
 
-from spmd_engine.faults import FaultInjector, InjectedFault
+from spmd_engine.faults.injection import FaultInjector, InjectedFault
 
 
 def test_only_the_named_rank_acts_at_the_named_step():

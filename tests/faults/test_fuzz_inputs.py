@@ -8,9 +8,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from spmd_engine.outputs import read_outputs
-from spmd_engine.prompts import OVERRIDE_TYPES, PROMPT_KEYS, read_prompts, validate_prompt
-from spmd_engine.sequence import FINISH_LENGTH, FINISH_STOP, SamplingParams
+from spmd_engine.job.outputs import read_outputs
+from spmd_engine.job.prompts import OVERRIDE_TYPES, PROMPT_KEYS, read_prompts, validate_prompt
+from spmd_engine.core.sequence import FINISH_LENGTH, FINISH_STOP, SamplingParams
 from tests.faults.engine_runs import make_llm
 
 # derandomize: CI must not fail on a run of luck; new cases are found by raising max_examples locally

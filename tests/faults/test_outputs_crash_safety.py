@@ -2,7 +2,7 @@ import json
 import threading
 import time
 
-from spmd_engine.outputs import OutputsWriter, RequestOutput, read_outputs
+from spmd_engine.job.outputs import OutputsWriter, RequestOutput, read_outputs
 
 
 def out(i):

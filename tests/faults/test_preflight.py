@@ -4,7 +4,7 @@ import os
 import pytest
 
 from spmd_engine.config import ConfigError
-from spmd_engine.preflight import check_checkpoint_files, check_prompts_file
+from spmd_engine.faults.preflight import check_checkpoint_files, check_prompts_file
 
 
 def test_weights_missing_on_this_node(tmp_path):

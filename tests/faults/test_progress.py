@@ -1,6 +1,6 @@
 import time
 
-from spmd_engine.progress import IDLE, STARTUP, STEP, WAIT_PLAN, StepProgress
+from spmd_engine.faults.progress import IDLE, STARTUP, STEP, WAIT_PLAN, StepProgress
 
 
 def test_phases_carry_step_and_timeout():

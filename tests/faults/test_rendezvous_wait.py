@@ -5,7 +5,7 @@ import time
 import pytest
 
 from spmd_engine.distributed import RankInfo, RendezvousUnreachable, wait_for_rendezvous
-from spmd_engine.supervisor import Supervisor
+from spmd_engine.faults.supervisor import Supervisor
 from tests.faults.launches import free_port
 
 

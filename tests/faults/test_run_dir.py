@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from spmd_engine.config import ConfigError
-from spmd_engine.run_dir import LOCK_NAME, check_rerun, claim_run_dir, lock_run_dir
+from spmd_engine.job.run_dir import LOCK_NAME, check_rerun, claim_run_dir, lock_run_dir
 from tests.helpers.run_engine import REPO, run_engines, run_ranks
 
 PROMPTS = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9]}, {"prompt_token_ids": [10, 11, 12, 13]}]
@@ -66,7 +66,7 @@ def test_one_writer_per_run_dir(tmp_path: Path):
     lock_run_dir(tmp_path).release()
     # another process holds it: the same refusal (flock is per open file, held until that process ends)
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
-                               "from spmd_engine.run_dir import lock_run_dir; held = lock_run_dir(Path(sys.argv[1])); "
+                               "from spmd_engine.job.run_dir import lock_run_dir; held = lock_run_dir(Path(sys.argv[1])); "
                                "print('locked', flush=True); time.sleep(60)", str(tmp_path)],
                               cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:

@@ -2,7 +2,7 @@ import os
 import signal
 import threading
 
-from spmd_engine.signals import install_signal_thread
+from spmd_engine.faults.signals import install_signal_thread
 
 
 def test_a_signal_is_handled_on_the_signal_thread_and_uninstall_restores():

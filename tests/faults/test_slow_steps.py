@@ -61,7 +61,7 @@ def test_slow_steps_complete_and_a_frozen_rank_is_still_named(fault_ckpt: Path, 
     assert frozen.procs[0].ended - stopped_at < 10, frozen.describe()  # 2 s of silence + the report's grace
     lines = frozen.error_lines()
     expected = (rf"error: rank 1 stopped at step {SLOW_STEP} {re.escape(SILENT)}; last seen at step {SLOW_STEP} "
-                r"at spmd_engine/faults.py:\d+ in compute_for")
+                r"at spmd_engine/faults/injection.py:\d+ in compute_for")
     assert len(lines) == 1 and re.fullmatch(expected, lines[0]), frozen.describe()
 
 

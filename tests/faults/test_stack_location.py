@@ -3,8 +3,8 @@ import time
 
 import torch.distributed as dist
 
-from spmd_engine.faults import FaultInjector, InjectedFault
-from spmd_engine.stack_location import REPO_ROOT, exception_location, locate, thread_location
+from spmd_engine.faults.injection import FaultInjector, InjectedFault
+from spmd_engine.faults.stack_location import REPO_ROOT, exception_location, locate, thread_location
 
 
 def test_exception_location_is_the_innermost_engine_frame():
@@ -12,7 +12,7 @@ def test_exception_location_is_the_innermost_engine_frame():
         FaultInjector(rank=0, step=1, kind="raise").before_step(1)
     except InjectedFault as exc:
         where = exception_location(exc)
-    assert where.where.startswith("spmd_engine/faults.py:") and where.where.endswith("in before_step")
+    assert where.where.startswith("spmd_engine/faults/injection.py:") and where.where.endswith("in before_step")
     assert not where.in_collective
 
 

@@ -3,7 +3,7 @@ import time
 
 import torch.distributed as dist
 
-from spmd_engine.start_gate import StartGate
+from spmd_engine.faults.start_gate import StartGate
 
 
 def test_waiters_pass_only_once_rank0_opens():

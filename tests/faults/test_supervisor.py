@@ -5,9 +5,9 @@ import threading
 import torch.distributed as dist
 
 from spmd_engine.distributed import RankInfo
-from spmd_engine.fault_board import FaultBoard
-from spmd_engine.faults import FaultInjector, InjectedFault
-from spmd_engine.supervisor import Supervisor
+from spmd_engine.faults.fault_board import FaultBoard
+from spmd_engine.faults.injection import FaultInjector, InjectedFault
+from spmd_engine.faults.supervisor import Supervisor
 
 
 def supervisors(world=2, grace_s=2.0, store=None):

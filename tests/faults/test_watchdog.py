@@ -6,15 +6,15 @@ import time
 
 import torch.distributed as dist
 
-from spmd_engine.fault_board import ERROR, FaultBoard, FaultEntry
-from spmd_engine.faults import compute_for
-from spmd_engine.progress import StepProgress
-from spmd_engine.stack_location import REPO_ROOT, Location
-from spmd_engine.watchdog import MainSample, Watchdog, WatchdogCallbacks, main_thread_probe
+from spmd_engine.faults.fault_board import ERROR, FaultBoard, FaultEntry
+from spmd_engine.faults.injection import compute_for
+from spmd_engine.faults.progress import StepProgress
+from spmd_engine.faults.stack_location import REPO_ROOT, Location
+from spmd_engine.faults.watchdog import MainSample, Watchdog, WatchdogCallbacks, main_thread_probe
 
 COMPUTING = Location("models/qwen3.py:40 in forward", False)
 IN_COLLECTIVE = Location("models/parallel.py:43 in all_reduce", True)
-SLEEPING = Location("spmd_engine/faults.py:60 in before_step", False)
+SLEEPING = Location("spmd_engine/faults/injection.py:60 in before_step", False)
 
 
 class Calls:
@@ -96,7 +96,7 @@ def test_cpu_spent_inside_a_collective_is_waiting_not_progress():
 
 
 def test_cpu_spent_in_one_place_is_one_long_op_on_a_cpu_device_and_a_spin_with_cuda():
-    one_place = Location("spmd_engine/token_readback.py:26 in numpy", False)  # one op, or a CUDA event wait
+    one_place = Location("spmd_engine/executor/token_readback.py:26 in numpy", False)  # one op, or a CUDA event wait
     for cuda, fires in ((False, False), (True, True)):
         progress, calls = StepProgress(timeout_s=0.1), Calls()
         dog = Watchdog(progress, None, calls.callbacks(), probe=lambda: MainSample(time.monotonic(), one_place, 7),
@@ -192,8 +192,8 @@ def test_deadman_ends_a_process_whose_main_thread_holds_the_gil():
     script = textwrap.dedent(f"""
         import re, sys, time
         sys.path.insert(0, {REPO_ROOT!r})
-        from spmd_engine.progress import StepProgress
-        from spmd_engine.watchdog import Watchdog, WatchdogCallbacks
+        from spmd_engine.faults.progress import StepProgress
+        from spmd_engine.faults.watchdog import Watchdog, WatchdogCallbacks
         progress = StepProgress(timeout_s=1.0)
         dog = Watchdog(progress, None, WatchdogCallbacks(lambda p, s: print("watchdog ran"), None, None),
                        poll_s=0.05, deadman_margin_s=0.5).start()

@@ -8,8 +8,8 @@ import torch
 
 from spmd_engine.config import engine_config_from_dict
 from spmd_engine.distributed import RankInfo
-from spmd_engine.engine import LLM
-from spmd_engine.prompts import PromptRequest
+from spmd_engine.engine import Engine
+from spmd_engine.job.prompts import PromptRequest
 from tests.helpers.tiny_checkpoints import make_tiny_checkpoint
 
 GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -29,14 +29,14 @@ def engine_overrides(**engine: object) -> dict:
             "num_kv_blocks": 128, "log_level": "WARNING", **engine}
 
 
-def make_llm(path: Path, **engine: object) -> LLM:
+def make_llm(path: Path, **engine: object) -> Engine:
     raw = {"model": {"name": "tiny", "path": str(path), "load_format": "auto", "hf_config": {}},
            "workload": {"name": "chat"}, "sampling": {"temperature": 0.0, "max_tokens": 16, "ignore_eos": True},
            **engine_overrides(**engine)}
-    return LLM(engine_config_from_dict(raw), SINGLE)
+    return Engine(engine_config_from_dict(raw), SINGLE)
 
 
-def greedy_tokens(llm: LLM, prompts: list[list[int]], max_tokens: int = 16) -> list[list[int]]:
+def greedy_tokens(llm: Engine, prompts: list[list[int]], max_tokens: int = 16) -> list[list[int]]:
     outs = llm.generate([PromptRequest(i, None, p, {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True})
                          for i, p in enumerate(prompts)])
     assert [o.error for o in outs] == [None] * len(prompts)

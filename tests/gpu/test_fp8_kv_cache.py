@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.kv_quant import FP8_DTYPE
-from models.attention_metadata import AttentionMetadata
-from models.layers.attention import Attention
-from spmd_engine.kv_cache import fp8_scales_from_absmax
+from spmd_engine.kernels.kv_quant import FP8_DTYPE
+from spmd_engine.models.attention_metadata import AttentionMetadata
+from spmd_engine.models.layers.attention import Attention
+from spmd_engine.executor.kv_cache import fp8_scales_from_absmax
 from tests.gpu.engine_setup import GPU, PROMPTS, greedy_tokens, make_llm, tiny_bf16_checkpoint
 from tests.kernels.paged_batch import rel_error
 

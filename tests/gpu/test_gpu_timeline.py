@@ -3,7 +3,7 @@ import time
 
 import torch
 
-from spmd_engine.gpu_timeline import GpuTimeline
+from spmd_engine.telemetry.gpu_timeline import GpuTimeline
 from tests.gpu.engine_setup import GPU
 
 pytestmark = GPU

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from spmd_engine.config import ConfigError
-from spmd_engine.kv_cache import blocks_for_bytes
+from spmd_engine.executor.kv_cache import blocks_for_bytes
 from tests.gpu.engine_setup import GPU, make_llm, tiny_bf16_checkpoint
 
 pytestmark = GPU

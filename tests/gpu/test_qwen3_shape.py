@@ -5,8 +5,8 @@ import torch
 import yaml
 
 from spmd_engine.config import engine_config_from_dict
-from spmd_engine.engine import LLM
-from spmd_engine.prompts import PromptRequest
+from spmd_engine.engine import Engine
+from spmd_engine.job.prompts import PromptRequest
 from tests.gpu.engine_setup import GPU, SINGLE, engine_overrides
 
 pytestmark = GPU
@@ -19,7 +19,7 @@ def test_dummy_qwen3_runs_to_completion():
     raw = {"model": model, "workload": {"name": "chat"},
            "sampling": {"temperature": 0.6, "top_p": 0.95, "max_tokens": 24, "ignore_eos": True},
            **engine_overrides(num_kv_blocks=None, max_num_seqs=16, max_model_len=1024, gpu_memory_utilization=0.5)}
-    llm = LLM(engine_config_from_dict(raw), SINGLE)
+    llm = Engine(engine_config_from_dict(raw), SINGLE)
     try:
         assert llm.runner.graphs is not None and llm.runner.num_blocks * 16 >= 1024
         gen = torch.Generator().manual_seed(0)

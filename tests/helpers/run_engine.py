@@ -150,9 +150,9 @@ def generate_in_process(args: list[str]) -> list[list[int]]:
 
     from spmd_engine.config import engine_config_from_dict
     from spmd_engine.distributed import RankInfo
-    from spmd_engine.engine import LLM
-    from spmd_engine.prompts import load_tokenizer
-    from spmd_engine.workloads import build_requests
+    from spmd_engine.engine import Engine
+    from spmd_engine.job.prompts import load_tokenizer
+    from spmd_engine.job.workloads import build_requests
 
     overrides = [a for a in args if not a.startswith("hydra.")]
     with initialize_config_dir(version_base="1.3", config_dir=str(REPO / "conf")):
@@ -161,7 +161,7 @@ def generate_in_process(args: list[str]) -> list[list[int]]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        llm = LLM(cfg, RankInfo(0, 1, 0, "127.0.0.1", 0, "single"))
+        llm = Engine(cfg, RankInfo(0, 1, 0, "127.0.0.1", 0, "single"))
         try:
             tokenizer = load_tokenizer(llm.source.tokenizer_dir) if llm.source.tokenizer_dir else None
             outputs = llm.generate(build_requests(cfg, tokenizer, llm.shape.vocab_size))

@@ -37,7 +37,7 @@ class PagedBatch:
     v_scale: torch.Tensor | None = None
 
     def reference(self) -> torch.Tensor:
-        from kernels.reference import paged_attention_reference
+        from spmd_engine.kernels.reference import paged_attention_reference
 
         return paged_attention_reference(
             self.query, self.k_cache, self.v_cache, self.cu_seqlens_q, self.seq_lens, self.block_tables,
@@ -48,7 +48,7 @@ class PagedBatch:
 def fp8_kv(values: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """values [N, bs, Hkv, D] -> (float8_e4m3fn cache, [Hkv] scales): each head gets its own scale
     (non-powers of two too) and its values span that scale's whole fp8 range, subnormals included."""
-    from kernels.kv_quant import FP8_DTYPE, FP8_MAX
+    from spmd_engine.kernels.kv_quant import FP8_DTYPE, FP8_MAX
 
     heads = values.shape[2]
     scale = torch.exp2(torch.randint(-6, 4, (heads,), generator=gen).float()) * torch.tensor(

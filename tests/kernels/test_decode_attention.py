@@ -1,14 +1,14 @@
 import pytest
 import torch
 
-from kernels.decode_attention import (
+from spmd_engine.kernels.decode_attention import (
     MAX_SPLITS,
     decode_num_splits,
     default_decode_config,
     paged_decode_attention,
     supports,
 )
-from kernels.reference import paged_attention_reference
+from spmd_engine.kernels.reference import paged_attention_reference
 from tests.kernels.paged_batch import DEVICE, ON_GPU, gpu_case, make_paged_batch, rel_error
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # triton interpreter noise

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from kernels.kv_store import store_kv
-from kernels.reference import store_kv_reference
+from spmd_engine.kernels.kv_store import store_kv
+from spmd_engine.kernels.reference import store_kv_reference
 from tests.kernels.paged_batch import DEVICE, gpu_case
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # triton interpreter noise
@@ -56,7 +56,7 @@ def test_shape_mismatch_is_a_clear_error():
 def _edge_values() -> torch.Tensor:
     """Every finite e4m3fn value, the midpoints between neighbours (ties to even) and just either side
     of them, subnormals, +-0 and values past the +-448 saturation point."""
-    from kernels.kv_quant import FP8_DTYPE
+    from spmd_engine.kernels.kv_quant import FP8_DTYPE
 
     exact = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()
     exact = exact[exact.isfinite()].unique().sort().values
@@ -77,7 +77,7 @@ FP8_CASES = [
 @pytest.mark.parametrize("tokens,block_size,heads,head_dim,dtype,scales", FP8_CASES)
 def test_fp8_store_writes_the_reference_bytes(tokens, block_size, heads, head_dim, dtype, scales):
     """Quantized in the kernel (x / scale, saturated, round to nearest even): byte for byte the reference."""
-    from kernels.kv_quant import FP8_DTYPE
+    from spmd_engine.kernels.kv_quant import FP8_DTYPE
 
     gen = torch.Generator().manual_seed(1)
     if tokens is None:  # every edge value, in every head (one scale per head)
@@ -110,7 +110,7 @@ def test_fp8_store_writes_the_reference_bytes(tokens, block_size, heads, head_di
 
 
 def test_fp8_store_needs_scales():
-    from kernels.kv_quant import FP8_DTYPE
+    from spmd_engine.kernels.kv_quant import FP8_DTYPE
 
     cache = torch.zeros(2, 16, 2, 16, dtype=FP8_DTYPE, device=DEVICE)
     key = torch.zeros(3, 2, 16, device=DEVICE)

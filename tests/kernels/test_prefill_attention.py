@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from kernels.prefill_attention import default_prefill_config, paged_prefill_attention, supports
-from kernels.reference import paged_attention_reference
+from spmd_engine.kernels.prefill_attention import default_prefill_config, paged_prefill_attention, supports
+from spmd_engine.kernels.reference import paged_attention_reference
 from tests.kernels.paged_batch import DEVICE, gpu_case, make_paged_batch, rel_error
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # triton interpreter noise

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kernels.rms_norm import rms_norm
+from spmd_engine.kernels.rms_norm import rms_norm
 from tests.kernels.paged_batch import DEVICE, gpu_case
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # triton interpreter noise

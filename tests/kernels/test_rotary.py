@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kernels.rotary import apply_rotary
+from spmd_engine.kernels.rotary import apply_rotary
 from tests.kernels.paged_batch import DEVICE, gpu_case
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # triton interpreter noise

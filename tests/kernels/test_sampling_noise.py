@@ -4,8 +4,8 @@ rounding; and the hash's streams for other seeds, counters and rounds are unrela
 import pytest
 import torch
 
-from kernels.reference import gumbel_noise_at_reference, gumbel_noise_reference, sampling_hash_reference
-from kernels.sampling_noise import (BLOCK, NOISE_AT_BLOCK, RACE_CHUNK, gumbel_noise, gumbel_noise_at, gumbel_race,
+from spmd_engine.kernels.reference import gumbel_noise_at_reference, gumbel_noise_reference, sampling_hash_reference
+from spmd_engine.kernels.sampling_noise import (BLOCK, NOISE_AT_BLOCK, RACE_CHUNK, gumbel_noise, gumbel_noise_at, gumbel_race,
                                    nucleus_sample, sampling_hash)
 from tests.kernels.paged_batch import DEVICE, gpu_case
 
@@ -126,7 +126,7 @@ def _nucleus_inputs(rows, vocab, seed):
 def test_nucleus_kernel_draws_the_torch_paths_token(rows, vocab):
     """The GPU top-p draw equals the sampler's torch path (rejection rounds with the same noise
     rounds): peaked, random, near-flat and one-dominant-token rows, small and large top_p."""
-    from spmd_engine.sampler import NUCLEUS_ROUNDS, _sample_nucleus
+    from spmd_engine.executor.sampler import NUCLEUS_ROUNDS, _sample_nucleus
     gen, temps, seeds, counters = _nucleus_inputs(rows, vocab, vocab)
     logits = 3 * torch.randn(rows, vocab, generator=gen)
     logits[0] = 0.01 * torch.randn(vocab, generator=gen)  # nearly flat: a nucleus of most tokens
@@ -141,7 +141,7 @@ def test_nucleus_kernel_draws_the_torch_paths_token(rows, vocab):
 def test_nucleus_kernel_fallback_finds_the_exact_nucleus(monkeypatch):
     """Rows that exhaust the rejection rounds: the kernel's bisection finds the cut the torch path's
     sort finds (the same token with the same round-NUCLEUS_ROUNDS noise), and the fallback ran."""
-    import spmd_engine.sampler as sampler_module
+    import spmd_engine.executor.sampler as sampler_module
     rows, vocab = 24, 400
     _, temps, seeds, counters = _nucleus_inputs(rows, vocab, 1)
     # a slow decay and a tiny nucleus: each rejection cuts few tokens, most rows reach the fallback

@@ -95,7 +95,7 @@ def test_the_preset_oversubscribes_a_small_qwen3_pool() -> None:
     once, 26 GiB of Qwen3-0.6B KV: 4x a gpu_memory_utilization=0.08 pool, a fifth of a 0.9 one."""
     import yaml
 
-    from spmd_engine.workloads import bench_requests
+    from spmd_engine.job.workloads import bench_requests
     repo = RUN_PY.parent
     params = yaml.safe_load((repo / "conf" / "workload" / "sweep.yaml").read_text())
     assert params["name"] == "bench"  # the bench generator and warm-up, other numbers
@@ -114,8 +114,8 @@ def test_the_preset_oversubscribes_a_small_qwen3_pool() -> None:
 def _replay_scheduler(requests: list, pool_tokens: int, block_size: int) -> tuple[int, int, int]:
     """The engine's Scheduler alone over `requests` (no model; one step in flight, as with async
     scheduling): (preemptions, steps, step of the p99 first token). Device-independent."""
-    from spmd_engine.scheduler import Scheduler, SchedulerConfig
-    from spmd_engine.sequence import SamplingParams, Sequence
+    from spmd_engine.core.scheduler import Scheduler, SchedulerConfig
+    from spmd_engine.core.sequence import SamplingParams, Sequence
 
     sched = Scheduler(SchedulerConfig(256, 8192, 4096, block_size, pool_tokens // block_size, True), {151645})
     for i, r in enumerate(requests):
@@ -140,7 +140,7 @@ def test_the_preset_preempts_at_a_small_pool_only() -> None:
     preempts and takes ~3x the steps; ~1.1M tokens (0.9) holds every request at once."""
     import yaml
 
-    from spmd_engine.workloads import bench_requests
+    from spmd_engine.job.workloads import bench_requests
     requests = bench_requests(yaml.safe_load((RUN_PY.parent / "conf" / "workload" / "sweep.yaml").read_text()))
     big_preempt, big_steps, big_ttft = _replay_scheduler(requests, 1_134_989, 16)
     assert big_preempt == 0

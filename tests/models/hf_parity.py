@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from models.loader import load_safetensors_weights
-from models.parallel import TensorParallel
-from models.registry import build_model
+from spmd_engine.models.loader import load_safetensors_weights
+from spmd_engine.models.parallel import TensorParallel
+from spmd_engine.models.registry import build_model
 from tests.models.paged_runner import run_paged
 
 NO_SCALING = None

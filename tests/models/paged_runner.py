@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from models.attention_metadata import AttentionMetadata
-from models.causal_lm import CausalLM
+from spmd_engine.models.attention_metadata import AttentionMetadata
+from spmd_engine.models.causal_lm import CausalLM
 
 
 @dataclass

@@ -9,8 +9,8 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 from safetensors.numpy import load_file
 
-import models.gguf as gguf_mod
-from models.gguf import convert_gguf_to_hf, convert_once, embedded_gguf_path, embedded_model_dir
+import spmd_engine.models.gguf as gguf_mod
+from spmd_engine.models.gguf import convert_gguf_to_hf, convert_once, embedded_gguf_path, embedded_model_dir
 
 TINY = dict(layers=2, hidden=64, ffn=96, heads=4, kv_heads=2, vocab=40, ctx=128)
 FRANCE = "What is the capital of France? Answer in one sentence."

@@ -5,9 +5,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from models.loader import load_dummy_weights, load_safetensors_weights, safetensors_files
-from models.parallel import TensorParallel
-from models.registry import build_model
+from spmd_engine.models.loader import load_dummy_weights, load_safetensors_weights, safetensors_files
+from spmd_engine.models.parallel import TensorParallel
+from spmd_engine.models.registry import build_model
 from tests.helpers.tiny_checkpoints import make_tiny_checkpoint
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from models.model_config import ModelShape
+from spmd_engine.models.model_config import ModelShape
 
 QWEN3_LIKE = {
     "architectures": ["Qwen3ForCausalLM"], "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,

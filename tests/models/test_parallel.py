@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from models.parallel import TensorParallel
+from spmd_engine.models.parallel import TensorParallel
 
 
 def test_single_needs_no_process_group():

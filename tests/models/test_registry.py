@@ -1,11 +1,11 @@
 import pytest
 import torch
 
-from models.layers.attention import Attention
-from models.llama import LlamaForCausalLM
-from models.parallel import TensorParallel
-from models.qwen3 import Qwen3ForCausalLM
-from models.registry import build_model
+from spmd_engine.models.layers.attention import Attention
+from spmd_engine.models.llama import LlamaForCausalLM
+from spmd_engine.models.parallel import TensorParallel
+from spmd_engine.models.qwen3 import Qwen3ForCausalLM
+from spmd_engine.models.registry import build_model
 
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 50, "max_position_embeddings": 32}

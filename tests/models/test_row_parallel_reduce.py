@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from models.layers.linear import RowParallelLinear
-from models.parallel import TensorParallel
+from spmd_engine.models.layers.linear import RowParallelLinear
+from spmd_engine.models.parallel import TensorParallel
 from tests.helpers.spawned_ranks import run_on_ranks
 
 IN, OUT = 64, 16

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import torch
 
-from models.loader import load_dummy_weights, load_safetensors_weights
-from models.parallel import TensorParallel
-from models.registry import build_model
+from spmd_engine.models.loader import load_dummy_weights, load_safetensors_weights
+from spmd_engine.models.parallel import TensorParallel
+from spmd_engine.models.registry import build_model
 from tests.helpers.spawned_ranks import run_on_ranks
 from tests.helpers.tiny_checkpoints import make_tiny_checkpoint
 from tests.models.hf_parity import PROMPTS, relative_error

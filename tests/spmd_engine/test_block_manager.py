@@ -1,8 +1,8 @@
 import pytest
 
-from spmd_engine import block_manager as bm_module
-from spmd_engine.block_manager import BlockManager, hash_block
-from spmd_engine.sequence import Sequence
+from spmd_engine.core import block_manager as bm_module
+from spmd_engine.core.block_manager import BlockManager, hash_block
+from spmd_engine.core.sequence import Sequence
 
 BS = 4
 

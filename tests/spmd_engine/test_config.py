@@ -63,7 +63,7 @@ def test_bad_sampling_defaults_are_config_errors(sampling, line):
 
 def test_sampling_defaults_and_request_values_share_one_check(monkeypatch):
     """The job-wide defaults go through SamplingParams.validate, the check every request's values get."""
-    from spmd_engine.sequence import SamplingParams
+    from spmd_engine.core.sequence import SamplingParams
 
     def refuse(self):
         raise ValueError("checked by SamplingParams.validate")
@@ -158,3 +158,18 @@ def test_startup_settings_read_leniently():
     assert (good.device, good.dist_timeout_s, good.timeout_s) == ("cpu", 5.0, 60.0)
     bad = startup_settings({"device": "tpu", "dist_timeout_s": "abc", "startup_timeout_s": -1})
     assert (bad.device, bad.dist_timeout_s, bad.timeout_s) == ("auto", 45.0, 600.0)  # the defaults
+
+
+def test_conf_sampling_defaults_are_the_sampling_params_defaults():
+    """One set of sampling defaults: the YAML's `sampling:` restates SamplingParams' defaults (it must list
+    the keys for `sampling.KEY=VALUE` overrides to exist); `SamplingParams()` in Python is the CLI's default."""
+    import dataclasses
+    from pathlib import Path
+
+    import yaml
+
+    from spmd_engine import SamplingParams
+
+    conf = yaml.safe_load((Path(__file__).resolve().parents[2] / "conf" / "config.yaml").read_text())
+    assert conf["sampling"] == dataclasses.asdict(SamplingParams())
+    assert engine_config_from_dict(base()).sampling == SamplingParams()

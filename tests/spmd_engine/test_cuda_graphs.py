@@ -3,15 +3,15 @@ import numpy as np
 import pytest
 import torch
 
-from models.loader import load_dummy_weights
-from models.model_config import ModelShape
-from models.parallel import TensorParallel
-from models.registry import build_model
-from spmd_engine.cuda_graphs import decode_step, graph_batch_sizes
-from spmd_engine.forward_batch import build_host_batch, to_device
-from spmd_engine.input_buffers import InputBuffers
-from spmd_engine.model_runner import ModelRunner, RunnerSettings
-from spmd_engine.plan import StepPlan
+from spmd_engine.models.loader import load_dummy_weights
+from spmd_engine.models.model_config import ModelShape
+from spmd_engine.models.parallel import TensorParallel
+from spmd_engine.models.registry import build_model
+from spmd_engine.executor.cuda_graphs import decode_step, graph_batch_sizes
+from spmd_engine.executor.forward_batch import build_host_batch, to_device
+from spmd_engine.executor.input_buffers import InputBuffers
+from spmd_engine.executor.model_runner import ModelRunner, RunnerSettings
+from spmd_engine.core.plan import StepPlan
 
 HF = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
       "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 97,
@@ -71,3 +71,25 @@ def test_padded_decode_gives_the_same_logits_and_kv(runner):
 
 def test_no_graphs_and_no_staging_buffers_on_cpu(runner):
     assert runner.graphs is None and runner.inputs is None and not runner.use_graphs
+
+
+def test_capture_input_is_all_padding_rows():
+    """What the graphs are captured on (HostBatch.padding, from BATCH_FIELDS): rows that read and store nothing."""
+    from spmd_engine.executor.forward_batch import HostBatch
+
+    buffers = InputBuffers(8, 4, 3, BLOCK, torch.device("cpu"))
+    batch = buffers.load(HostBatch.padding(4, 3), rows=4)
+    assert batch.input_ids.tolist() == [0] * 4 and batch.attn.slot_mapping.tolist() == [-1] * 4
+    assert batch.attn.seq_lens.tolist() == [0] * 4 and batch.attn.cu_seqlens_q.tolist() == [0, 1, 2, 3, 4]
+    assert batch.attn.block_tables.shape == (4, 3) and batch.logits_indices.tolist() == [0, 1, 2, 3]
+
+
+def test_warmup_prefill_stores_nothing_and_gets_logits_of_each_last_token():
+    """The start-up warm-up's batch (HostBatch.unstored_prefill, from BATCH_FIELDS): whole prefills, no slot."""
+    from spmd_engine.executor.forward_batch import HostBatch
+
+    host = HostBatch.unstored_prefill([5, 3])
+    assert host.positions.tolist() == [0, 1, 2, 3, 4, 0, 1, 2] and host.slot_mapping.tolist() == [-1] * 8
+    assert host.cu_seqlens_q.tolist() == [0, 5, 8] and host.seq_lens.tolist() == [5, 3]
+    assert host.logits_indices.tolist() == [4, 7] and (host.max_query_len, host.is_decode) == (5, False)
+    assert host.block_tables.shape == (2, 1)

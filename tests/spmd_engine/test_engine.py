@@ -14,9 +14,9 @@ import torch
 
 from spmd_engine.config import engine_config_from_dict
 from spmd_engine.distributed import RankInfo
-from spmd_engine.engine import LLM
-from spmd_engine.outputs import RequestOutput
-from spmd_engine.prompts import PromptRequest
+from spmd_engine.engine import Engine
+from spmd_engine.job.outputs import RequestOutput
+from spmd_engine.job.prompts import PromptRequest
 from tests.helpers.tiny_checkpoints import make_tiny_checkpoint
 
 NEW_TOKENS = 32
@@ -56,15 +56,15 @@ def hf_greedy(path: Path, prompts: list[list[int]], new_tokens: int, eos_token_i
     return results
 
 
-def make_llm(path: Path, **engine: object) -> LLM:
+def make_llm(path: Path, **engine: object) -> Engine:
     raw = {"model": {"name": "tiny", "path": str(path), "load_format": "auto", "hf_config": {}},
            "workload": {"name": "chat"},
            "sampling": {"temperature": 0.0, "max_tokens": NEW_TOKENS, "ignore_eos": True},
            "device": "cpu", "dtype": "float32", "num_kv_blocks": 256, **engine}
-    return LLM(engine_config_from_dict(raw), SINGLE)
+    return Engine(engine_config_from_dict(raw), SINGLE)
 
 
-def generate(llm: LLM, prompts: list[list[int]], **overrides: object) -> list[RequestOutput]:
+def generate(llm: Engine, prompts: list[list[int]], **overrides: object) -> list[RequestOutput]:
     outs = llm.generate([PromptRequest(i, None, p, dict(overrides)) for i, p in enumerate(prompts)])
     assert [o.error for o in outs] == [None] * len(prompts)
     return outs
@@ -142,7 +142,7 @@ def test_chunked_prefill_in_a_small_pool_matches_hf_under_heavy_preemption(rope_
     async scheduling a schedule that runs nothing still preempts (the sequence that needs a block
     preempts itself while the others wait for their last pending token); that drop must reach the
     block tables, or the readmitted sequence runs on stale KV blocks (wrong tokens, or a crash)."""
-    from spmd_engine.scheduler import Scheduler
+    from spmd_engine.core.scheduler import Scheduler
 
     path, prompts, expected = rope_scaled
     idle_preemptions = []
@@ -244,6 +244,6 @@ def test_a_run_that_failed_half_way_leaves_the_next_one_a_clean_pool(tiny):
     requests = [PromptRequest(i, None, p, {"max_tokens": 2 if i == 0 else NEW_TOKENS}) for i, p in enumerate(PROMPTS)]
     with pytest.raises(RuntimeError, match="client went away"):  # at the first finish, the others hold blocks
         llm.generate(requests, on_finish=client_went_away)
-    assert llm.block_manager is not None and llm.block_manager.num_used_blocks > 0
+    assert llm.scheduler.block_manager.num_used_blocks > 0
     assert tokens(generate(llm, PROMPTS)) == expected
-    assert llm.block_manager.num_used_blocks == 0
+    assert llm.scheduler.block_manager.num_used_blocks == 0

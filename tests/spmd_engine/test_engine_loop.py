@@ -20,11 +20,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import spmd_engine.engine as engine_module
-from spmd_engine.config import EngineConfig, ModelConfig, SamplingDefaults, WorkloadConfig
+from spmd_engine.config import EngineConfig, ModelConfig, WorkloadConfig
+from spmd_engine.core.sequence import SamplingParams
 from spmd_engine.engine import _Generation
-from spmd_engine.plan import COMMAND_STOP, BlockTableMirror, StepPlan
-from spmd_engine.progress import StepProgress
-from spmd_engine.prompts import PromptRequest
+from spmd_engine.core.plan import COMMAND_STOP, StepPlan
+from spmd_engine.executor.block_table import BlockTableMirror
+from spmd_engine.faults.progress import StepProgress
+from spmd_engine.job.prompts import PromptRequest
 
 VOCAB, EOS = 6, 1  # a tiny vocabulary: greedy tokens on random logits hit EOS now and then
 NUM_OTHER_RANKS = 2
@@ -57,6 +59,9 @@ class FakeRunner:
         self.checked_steps += 1
         return plan
 
+    def apply_stop(self, plan: StepPlan) -> None:
+        self.mirror.apply(plan)
+
     def launch(self, plan: StepPlan, prev_tokens: torch.Tensor | None) -> torch.Tensor | None:
         if plan.num_prev_sampled:
             assert prev_tokens is not None and prev_tokens.shape[0] >= plan.num_prev_sampled
@@ -68,12 +73,13 @@ def run_loop(prompts: list[list[int]], max_tokens: list[int], *, block_size: int
              max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int, prefix_caching: bool,
              async_scheduling: bool, seed: int = 0, ignore_eos: bool = False) -> tuple[FakeRunner, _Generation]:
     cfg = EngineConfig(model=ModelConfig("fake", None, "dummy", {}), workload=WorkloadConfig("chat"),
-                       sampling=SamplingDefaults(temperature=0.0, max_tokens=16, ignore_eos=ignore_eos),
+                       sampling=SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=ignore_eos),
                        block_size=block_size, num_kv_blocks=num_blocks, max_num_seqs=max_num_seqs,
                        max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                        enable_prefix_caching=prefix_caching, async_scheduling=async_scheduling, device="cpu")
     runner = FakeRunner(num_blocks, -(-max_model_len // block_size), block_size, seed)
-    llm = SimpleNamespace(cfg=cfg, max_model_len=max_model_len, runner=runner, block_manager=None,
+    llm = SimpleNamespace(cfg=cfg, max_model_len=max_model_len, runner=runner,
+                          scheduler=engine_module.new_scheduler(cfg, max_model_len, num_blocks, [EOS]),
                           shape=SimpleNamespace(eos_token_ids=[EOS], vocab_size=VOCAB), device=torch.device("cpu"),
                           step=0, step_progress=StepProgress(), faults=SimpleNamespace(before_step=lambda step: None))
     requests = [PromptRequest(i, None, p, {"max_tokens": m}) for i, (p, m) in enumerate(zip(prompts, max_tokens))]

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from spmd_engine.forward_batch import build_host_batch
-from spmd_engine.plan import StepPlan
+from spmd_engine.executor.forward_batch import build_host_batch
+from spmd_engine.core.plan import StepPlan
 
 
 def test_mixed_prefill_chunk_and_decodes():
@@ -33,7 +33,7 @@ def test_pure_decode_step_is_flagged():
 def test_deferred_inputs_are_filled_from_the_previous_steps_tokens():
     import torch
 
-    from spmd_engine.forward_batch import to_device
+    from spmd_engine.executor.forward_batch import to_device
 
     plan = StepPlan(step=4, seq_ids=np.array([1, 2, 3]), num_computed=np.array([4, 7, 0], dtype=np.int32),
                     query_lens=np.array([1, 1, 2], dtype=np.int32), input_ids=np.array([0, 6, 8, 9], dtype=np.int32),

@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.kv_quant import FP8_DTYPE, FP8_MAX
-from models.model_config import ModelShape
+from spmd_engine.kernels.kv_quant import FP8_DTYPE, FP8_MAX
+from spmd_engine.models.model_config import ModelShape
 from spmd_engine.config import ConfigError, engine_config_from_dict
 from spmd_engine.distributed import RankInfo
-from spmd_engine.engine import LLM
-from spmd_engine.kv_cache import (FP8_SCALE_HEADROOM, KVCacheSpec, fp8_calibration_ids, fp8_scales_from_absmax,
+from spmd_engine.engine import Engine
+from spmd_engine.executor.kv_cache import (FP8_SCALE_HEADROOM, KVCacheSpec, fp8_calibration_ids, fp8_scales_from_absmax,
                                   measure_kv_absmax, planned_num_blocks)
-from spmd_engine.prompts import PromptRequest
+from spmd_engine.job.prompts import PromptRequest
 from tests.helpers.tiny_checkpoints import make_tiny_checkpoint
 
 SINGLE = RankInfo(0, 1, 0, "127.0.0.1", 0, "single")
@@ -23,14 +23,14 @@ NEW_TOKENS = 12
 PROMPTS = [[5 + 7 * i + j * (i + 3) % 250 for j in range(6 + 5 * i)] for i in range(8)]  # 6..41 tokens
 
 
-def make_llm(path: Path, **engine: object) -> LLM:
+def make_llm(path: Path, **engine: object) -> Engine:
     raw = {"model": {"name": "tiny", "path": str(path), "load_format": "auto", "hf_config": {}},
            "workload": {"name": "chat"}, "sampling": {"temperature": 0.0, "max_tokens": NEW_TOKENS, "ignore_eos": True},
            "device": "cpu", "dtype": "float32", "num_kv_blocks": 256, "log_level": "WARNING", **engine}
-    return LLM(engine_config_from_dict(raw), SINGLE)
+    return Engine(engine_config_from_dict(raw), SINGLE)
 
 
-def greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+def greedy(llm: Engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     outs = llm.generate([PromptRequest(i, None, p, {"max_tokens": max_tokens}) for i, p in enumerate(prompts)])
     assert [o.error for o in outs] == [None] * len(prompts)
     return [o.token_ids for o in outs]

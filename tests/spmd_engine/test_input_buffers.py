@@ -2,9 +2,9 @@ import numpy as np
 import pytest
 import torch
 
-from spmd_engine.forward_batch import build_host_batch, to_device
-from spmd_engine.input_buffers import InputBuffers
-from spmd_engine.plan import StepPlan
+from spmd_engine.executor.forward_batch import build_host_batch, to_device
+from spmd_engine.executor.input_buffers import InputBuffers
+from spmd_engine.core.plan import StepPlan
 
 CPU = torch.device("cpu")
 

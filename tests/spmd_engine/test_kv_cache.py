@@ -1,6 +1,6 @@
 import torch
 
-from spmd_engine.kv_cache import CudaMemoryBudget, KVCacheSpec, allocate_kv_cache, blocks_for_bytes
+from spmd_engine.executor.kv_cache import CudaMemoryBudget, KVCacheSpec, allocate_kv_cache, blocks_for_bytes
 
 GIB = 1 << 30
 
@@ -23,7 +23,7 @@ def test_blocks_and_allocation():
 
 
 def test_planned_blocks_fixed_then_cpu_budget_then_measured_on_cuda():
-    from spmd_engine.kv_cache import planned_num_blocks
+    from spmd_engine.executor.kv_cache import planned_num_blocks
     spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=4, block_size=8, dtype=torch.float16)
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert planned_num_blocks(spec, 7, 1.0, cuda) == 7

@@ -10,9 +10,9 @@ import torch
 from spmd_engine.config import engine_config_from_dict
 from spmd_engine.distributed import RankInfo
 from spmd_engine.engine import LLM
-from spmd_engine.logits_processors import apply_penalties_and_min_p
-from spmd_engine.prompts import PromptRequest
-from spmd_engine.sequence import SamplingParams, Sequence
+from spmd_engine.executor.logits_processors import apply_penalties_and_min_p
+from spmd_engine.job.prompts import PromptRequest
+from spmd_engine.core.sequence import SamplingParams, Sequence
 from tests.helpers.tiny_checkpoints import make_tiny_checkpoint
 
 SINGLE = RankInfo(0, 1, 0, "127.0.0.1", 0, "single")

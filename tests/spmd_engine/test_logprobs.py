@@ -10,8 +10,8 @@ import torch
 from spmd_engine.config import engine_config_from_dict
 from spmd_engine.distributed import RankInfo
 from spmd_engine.engine import LLM
-from spmd_engine.logprobs import prompt_logit_rows
-from spmd_engine.prompts import PromptRequest
+from spmd_engine.executor.logprobs import prompt_logit_rows
+from spmd_engine.job.prompts import PromptRequest
 from tests.helpers.tiny_checkpoints import make_tiny_checkpoint
 
 SINGLE = RankInfo(0, 1, 0, "127.0.0.1", 0, "single")
@@ -46,7 +46,7 @@ def test_prompt_logit_rows_take_each_sequences_leading_tokens():
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_logprobs_and_prompt_logprobs_equal_hf(tiny, async_scheduling, monkeypatch):
-    monkeypatch.setattr("spmd_engine.logprobs.LOGPROB_ROWS_PER_CHUNK", 3)  # several row chunks per step
+    monkeypatch.setattr("spmd_engine.executor.logprobs.LOGPROB_ROWS_PER_CHUNK", 3)  # several row chunks per step
     llm = _llm(tiny, async_scheduling=async_scheduling, max_num_batched_tokens=8, enable_prefix_caching=True)
     try:
         llm.generate([PromptRequest(0, None, PROMPTS[0])])  # fills the prefix cache: prompt logprobs must skip it

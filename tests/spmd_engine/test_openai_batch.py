@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import json
 
-from spmd_engine.openai_batch import batch_output
-from spmd_engine.prompts import read_prompts
+from spmd_engine.job.openai_batch import batch_output
+from spmd_engine.job.prompts import read_prompts
 
 CHAT = "/v1/chat/completions"
 

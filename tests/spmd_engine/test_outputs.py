@@ -1,7 +1,7 @@
 import json
 
-from spmd_engine.metrics import summarize
-from spmd_engine.outputs import OutputsWriter, RequestOutput, read_outputs
+from spmd_engine.job.metrics import summarize
+from spmd_engine.job.outputs import OutputsWriter, RequestOutput, read_outputs
 
 
 def out(i, n=3, reason="length"):
@@ -37,7 +37,7 @@ def test_summary_counts_and_latencies():
 
 
 def test_an_error_row_echoes_a_capped_prompt_not_the_whole_input(tmp_path):
-    from spmd_engine.outputs import ERROR_ECHO_CHARS, ERROR_ECHO_TOKENS
+    from spmd_engine.job.outputs import ERROR_ECHO_CHARS, ERROR_ECHO_TOKENS
 
     text, ids = "x" * 5_000_000, list(range(1_300_000))  # a 5 MB line that tokenized to 1.3 M ids
     failed = RequestOutput(3, text, ids, None, [], "error", "prompt has 1300000 tokens; max_model_len=4096 "
@@ -68,8 +68,8 @@ def test_a_row_that_cannot_be_utf8_is_written_escaped(tmp_path):
 
 
 def test_resume_mismatch_names_the_first_row_that_is_not_its_request():
-    from spmd_engine.outputs import resume_mismatch
-    from spmd_engine.prompts import PromptRequest
+    from spmd_engine.job.outputs import resume_mismatch
+    from spmd_engine.job.prompts import PromptRequest
 
     sampling = {"temperature": 0.0, "top_p": 1.0, "max_tokens": 4}
     long_text = "y" * 1000

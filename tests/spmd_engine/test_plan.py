@@ -4,9 +4,10 @@ import random
 import numpy as np
 import pytest
 
-from spmd_engine.plan import COMMAND_STOP, BlockTableMirror, PlanBuilder, StepPlan
-from spmd_engine.scheduler import Scheduler, SchedulerConfig
-from spmd_engine.sequence import SamplingParams, Sequence
+from spmd_engine.core.plan import COMMAND_STOP, PlanBuilder, StepPlan
+from spmd_engine.executor.block_table import BlockTableMirror
+from spmd_engine.core.scheduler import Scheduler, SchedulerConfig
+from spmd_engine.core.sequence import SamplingParams, Sequence
 
 
 def make(**overrides) -> Scheduler:

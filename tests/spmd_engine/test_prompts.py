@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from spmd_engine.prompts import (
+from spmd_engine.job.prompts import (
     DEFAULT_PROMPTS,
     NO_TOKENIZER_ERROR,
     PromptRequest,

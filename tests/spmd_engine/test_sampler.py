@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from spmd_engine.sampler import (NUCLEUS_ROUNDS, TOP_K_FAST_MAX, Sampler, SamplingRow, _apply_top_k_top_p, _race,
+from spmd_engine.executor.sampler import (NUCLEUS_ROUNDS, TOP_K_FAST_MAX, Sampler, SamplingRow, _apply_top_k_top_p, _race,
                                  _sample_top_k, path_of, request_seed, seed_bits)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -185,7 +185,7 @@ def test_seed_bits_and_request_seeds():
 
 def test_noise_rounds_are_independent_streams():
     """A rejected nucleus draw redraws from another stream of the same row (not the same noise)."""
-    from spmd_engine.sampler import gumbel_noise
+    from spmd_engine.executor.sampler import gumbel_noise
     seeds = torch.tensor([3], device=DEVICE)
     counters = torch.tensor([0], device=DEVICE)
     rounds = torch.stack([gumbel_noise(seeds, counters, r, 4000)[0] for r in range(NUCLEUS_ROUNDS + 1)]).cpu()
@@ -198,7 +198,7 @@ def test_the_nucleus_fallback_keeps_the_distribution_and_the_batch_independence(
     """A slowly decaying distribution with a small nucleus: each rejection cuts little, so some rows
     exhaust the rejection rounds and take the sort (with their own noise round); their draws still
     follow the renormalised nucleus, and each row draws the same alone."""
-    import spmd_engine.sampler as sampler_module
+    import spmd_engine.executor.sampler as sampler_module
     vocab, n = 400, 4000
     logits = (-0.01 * torch.arange(vocab, dtype=torch.float32)).expand(n, vocab).contiguous()
     sorted_rows = []

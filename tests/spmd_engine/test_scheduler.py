@@ -5,8 +5,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from spmd_engine.scheduler import ScheduleOutput, Scheduler, SchedulerConfig
-from spmd_engine.sequence import SamplingParams, Sequence, SequenceStatus
+from spmd_engine.core.scheduler import ScheduleOutput, Scheduler, SchedulerConfig
+from spmd_engine.core.sequence import SamplingParams, Sequence, SequenceStatus
 
 EOS = 0
 VOCAB = 23
@@ -191,7 +191,7 @@ def test_abort_waiting_and_running():
 def test_debug_log_per_step(caplog):
     sched = make()
     sched.add(seq(0, 5))
-    with caplog.at_level(logging.DEBUG, logger="spmd_engine.scheduler"):
+    with caplog.at_level(logging.DEBUG, logger="spmd_engine.core.scheduler"):
         sched.schedule()
     assert "1 seqs" in caplog.text and "5 tokens" in caplog.text
 

@@ -1,11 +1,11 @@
 import pytest
 
-from spmd_engine.sequence import SamplingParams, Sequence, SequenceStatus
+from spmd_engine.core.sequence import SamplingParams, Sequence, SequenceStatus
 
 
 def test_defaults_are_valid():
     p = SamplingParams().validate()
-    assert (p.temperature, p.top_p, p.top_k, p.max_tokens, p.ignore_eos, p.seed) == (1.0, 1.0, -1, 16, False, None)
+    assert (p.temperature, p.top_p, p.top_k, p.max_tokens, p.ignore_eos, p.seed) == (0.6, 0.95, -1, 256, False, None)
     assert not p.top_k_enabled
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from spmd_engine.step_timing import PHASES, StepTimer
+from spmd_engine.telemetry.step_timing import PHASES, StepTimer
 
 
 def phases(**values):

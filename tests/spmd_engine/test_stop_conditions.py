@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 
 from spmd_engine.config import engine_config_from_dict
-from spmd_engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from spmd_engine.core.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from spmd_engine.distributed import RankInfo
 from spmd_engine.engine import LLM
-from spmd_engine.prompts import PromptRequest, load_tokenizer
-from spmd_engine.sequence import SamplingParams
+from spmd_engine.job.prompts import PromptRequest, load_tokenizer
+from spmd_engine.core.sequence import SamplingParams
 from tests.helpers.tiny_checkpoints import make_tiny_checkpoint
 
 SINGLE = RankInfo(0, 1, 0, "127.0.0.1", 0, "single")

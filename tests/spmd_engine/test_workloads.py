@@ -1,4 +1,4 @@
-from spmd_engine.workloads import bench_requests
+from spmd_engine.job.workloads import bench_requests
 
 
 def test_bench_reproduces_the_nano_vllm_workload_to_the_token():
@@ -35,8 +35,8 @@ def test_no_tokenizer_turns_the_built_in_prompts_into_token_ids(caplog):
     """Dummy weights of a shape have no tokenizer: the default job still generates (token-id prompts)."""
     import logging
 
-    from spmd_engine.prompts import DEFAULT_PROMPTS
-    from spmd_engine.workloads import build_requests
+    from spmd_engine.job.prompts import DEFAULT_PROMPTS
+    from spmd_engine.job.workloads import build_requests
 
     with caplog.at_level(logging.INFO, logger="spmd_engine"):
         requests = build_requests(_chat_cfg(), None, vocab_size=500)
@@ -51,8 +51,8 @@ def test_no_tokenizer_turns_the_built_in_prompts_into_token_ids(caplog):
 
 
 def test_text_the_user_gave_still_needs_a_tokenizer():
-    from spmd_engine.prompts import NO_TOKENIZER_ERROR
-    from spmd_engine.workloads import build_requests
+    from spmd_engine.job.prompts import NO_TOKENIZER_ERROR
+    from spmd_engine.job.workloads import build_requests
 
     requests = build_requests(_chat_cfg(prompts=["hello"]), None, vocab_size=500)
     assert [r.error for r in requests] == [NO_TOKENIZER_ERROR]

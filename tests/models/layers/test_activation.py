@@ -1,7 +1,7 @@
 import torch
 import torch.nn.functional as F
 
-from models.layers.activation import SiluAndMul
+from spmd_engine.models.layers.activation import SiluAndMul
 
 
 def test_silu_of_gate_times_up():

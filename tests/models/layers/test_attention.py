@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from models.attention_metadata import AttentionMetadata
-from models.layers.attention import Attention
+from spmd_engine.models.attention_metadata import AttentionMetadata
+from spmd_engine.models.layers.attention import Attention
 
 HQ, HKV, D, BLOCK = 4, 2, 16, 4
 LENS = [5, 9]  # two sequences; 9 crosses two block boundaries

@@ -1,8 +1,8 @@
 import torch
 import torch.nn.functional as F
 
-from models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from models.parallel import TensorParallel
+from spmd_engine.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from spmd_engine.models.parallel import TensorParallel
 
 VOCAB, HIDDEN = 11, 4
 FULL = torch.randn(VOCAB, HIDDEN, generator=torch.Generator().manual_seed(0))

@@ -2,9 +2,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
+from spmd_engine.models.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
                                   RowParallelLinear, matmul_fp32_out)
-from models.parallel import TensorParallel
+from spmd_engine.models.parallel import TensorParallel
 
 GEN = torch.Generator().manual_seed(0)
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-from models.layers.norm import RMSNorm
+from spmd_engine.models.layers.norm import RMSNorm
 
 
 def _norms(hidden: int, dtype: torch.dtype) -> tuple[RMSNorm, Qwen3RMSNorm]:

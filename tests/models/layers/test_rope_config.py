@@ -1,6 +1,6 @@
 import pytest
 
-from models.layers.rope_config import RopeConfig
+from spmd_engine.models.layers.rope_config import RopeConfig
 
 
 def test_plain_config_reads_top_level_theta():

@@ -4,8 +4,8 @@ from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from models.layers.rope_config import RopeConfig
-from models.layers.rotary import RotaryEmbedding, apply_rotary, inverse_frequencies
+from spmd_engine.models.layers.rope_config import RopeConfig
+from spmd_engine.models.layers.rotary import RotaryEmbedding, apply_rotary, inverse_frequencies
 
 HEAD_DIM, MAX_POS = 32, 256
 ROPES = {

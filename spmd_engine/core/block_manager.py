@@ -1,0 +1,181 @@
+"""Paged-KV block allocator with reference counts and prefix caching (rank 0 only).
+
+Full blocks whose KV has been computed are indexed by a chained hash of their tokens, so a new
+sequence with the same prefix reuses them instead of recomputing. Freed blocks keep their hash
+and contents in an LRU free queue until they are handed out again.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Sequence as Seq
+
+import numpy as np
+import xxhash
+
+from spmd_engine.core.sequence import Sequence
+
+
+def hash_block(parent_hash: int | None, token_ids: Seq[int]) -> int:
+    """xxhash64 over the parent block's hash and this block's token ids (the chain makes it a prefix hash)."""
+    hasher = xxhash.xxh64()
+    if parent_hash is not None:
+        hasher.update(parent_hash.to_bytes(8, "little"))
+    hasher.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return hasher.intdigest()
+
+
+@dataclass
+class Block:
+    """One KV block's bookkeeping; hash/tokens are set only while it is a registered cached block."""
+
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    parent_hash: int | None = None
+    token_ids: tuple[int, ...] = ()
+
+
+class BlockManager:
+    """Hands out KV blocks to sequences and shares computed full prefix blocks between them."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # ref_count == 0 blocks; front = next to hand out (least recently freed, or holding nothing)
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._hash_to_block: dict[int, int] = {}
+        # seq_id -> (full blocks already hashed, hash of the last of them): where the chain continues
+        self._chain: dict[int, tuple[int, int | None]] = {}
+        self.prefix_cache_queries = 0  # tokens looked up at admissions
+        self.prefix_cache_hits = 0  # of those, tokens found cached
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def is_cached(self, block_id: int) -> bool:
+        """True if the block is the registered holder of its hash (a prefix hit can return it)."""
+        block = self.blocks[block_id]
+        return block.hash is not None and self._hash_to_block.get(block.hash) == block_id
+
+    def allocate_prefix(self, seq: Sequence, use_cache: bool = True) -> int:
+        """Give a newly admitted sequence the cached blocks of its longest computed prefix.
+
+        Never matches the block holding the last token, so at least one token is computed (the
+        forward must produce logits for it). Sets num_computed_tokens and num_cached_tokens and
+        returns the number of cached tokens.
+        """
+        if seq.block_table:
+            raise RuntimeError(f"seq {seq.seq_id} already holds blocks; allocate_prefix is for admission")
+        num_hit_blocks, parent = 0, None
+        if self.enable_prefix_caching and use_cache:  # not: every position must be computed (prompt logprobs)
+            max_blocks = (seq.num_tokens - 1) // self.block_size
+            for i in range(max_blocks):
+                tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
+                block_hash = hash_block(parent, tokens)
+                block_id = self._hash_to_block.get(block_hash)
+                if block_id is None:
+                    break
+                block = self.blocks[block_id]
+                # collision guard: same tokens at the same place in the chain, not just the same hash
+                if block.parent_hash != parent or block.token_ids != tuple(tokens):
+                    break
+                if block.ref_count == 0:
+                    del self._free[block_id]
+                block.ref_count += 1
+                seq.block_table.append(block_id)
+                num_hit_blocks, parent = num_hit_blocks + 1, block_hash
+            self._chain[seq.seq_id] = (num_hit_blocks, parent)
+        num_cached = num_hit_blocks * self.block_size
+        seq.num_computed_tokens = num_cached
+        seq.num_cached_tokens = num_cached
+        self.prefix_cache_queries += seq.num_tokens
+        self.prefix_cache_hits += num_cached
+        return num_cached
+
+    def undo_prefix(self, seq: Sequence) -> None:
+        """Take back an admission that could not get blocks for its first chunk (and its counters)."""
+        self.prefix_cache_queries -= seq.num_tokens
+        self.prefix_cache_hits -= seq.num_cached_tokens
+        self.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_cached_tokens = 0
+
+    def ensure_slots(self, seq: Sequence, num_tokens_total: int) -> bool:
+        """Append blocks so the table covers `num_tokens_total` tokens; False (no change) if short."""
+        needed = self.blocks_needed(num_tokens_total) - len(seq.block_table)
+        if needed <= 0:
+            return True
+        if needed > len(self._free):
+            return False
+        for _ in range(needed):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.hash is not None:  # evict: its old contents are about to be overwritten
+                if self._hash_to_block.get(block.hash) == block_id:
+                    del self._hash_to_block[block.hash]
+                block.hash, block.parent_hash, block.token_ids = None, None, ()
+            block.ref_count = 1
+            seq.block_table.append(block_id)
+        return True
+
+    def cache_full_blocks(self, seq: Sequence, num_computed: int) -> None:
+        """Register the hashes of the sequence's full blocks among its first `num_computed` tokens,
+        whose KV a finished step has written.
+
+        Call after every step, never at allocation: a block still waiting for a later prefill chunk
+        (or a step still on the device) must not be found by another sequence.
+        """
+        if not self.enable_prefix_caching:
+            return
+        num_hashed, parent = self._chain.get(seq.seq_id, (0, None))
+        num_full = min(num_computed, len(seq.token_ids)) // self.block_size
+        num_full = min(num_full, len(seq.block_table))
+        for i in range(num_hashed, num_full):
+            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            block_hash = hash_block(parent, tokens)
+            block_id = seq.block_table[i]
+            block = self.blocks[block_id]
+            if block_hash not in self._hash_to_block and block.hash is None:
+                block.hash, block.parent_hash, block.token_ids = block_hash, parent, tokens
+                self._hash_to_block[block_hash] = block_id
+            # else: an identical block computed by another sequence is already the cached copy
+            parent = block_hash
+        self._chain[seq.seq_id] = (max(num_hashed, num_full), parent)
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's references; blocks reaching 0 go to the free queue.
+
+        Cached blocks join the back (reused last, so a later identical prefix still hits them),
+        tail first so the shared beginning of a prefix outlives its end; blocks holding nothing
+        reusable join the front.
+        """
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count < 0:
+                raise RuntimeError(f"block {block_id} freed more often than allocated")
+            if block.ref_count == 0:
+                self._free[block_id] = None
+                if not self.is_cached(block_id):
+                    self._free.move_to_end(block_id, last=False)
+        seq.block_table = []
+        self._chain.pop(seq.seq_id, None)

@@ -1,0 +1,96 @@
+"""What one request is and what comes back for it: the engine's input and output records.
+
+Why here, in core: the engine admits PromptRequests and returns RequestOutputs; the job (prompt
+files, outputs.jsonl) builds and writes them, so both sides import them from here and the engine
+never imports the job.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# What an error row echoes of its request: a 5 MB prompt that fails must not become a 15 MB row.
+ERROR_ECHO_CHARS = 200  # first characters of `prompt`; `prompt_chars` then holds the full length
+ERROR_ECHO_TOKENS = 64  # first `prompt_token_ids`; `prompt_num_tokens` then holds the full count
+ERROR_TEXT_CHARS = 1000  # the `error` line itself
+
+
+OPTIONAL_FIELDS = ("stop_reason", "custom_id", "logprobs", "prompt_logprobs")
+
+
+@dataclass
+class RequestOutput:
+    index: int
+    prompt: str | None
+    prompt_token_ids: list[int] | None
+    text: str | None
+    token_ids: list[int]
+    finish_reason: str  # stop | length | error
+    error: str | None = None
+    # timing (seconds, relative to the generate call's start); not written to outputs.jsonl
+    first_token_time: float | None = field(default=None, repr=False)
+    finish_time: float | None = field(default=None, repr=False)
+    token_times: list[float] = field(default_factory=list, repr=False)
+    num_cached_tokens: int = field(default=0, repr=False)
+    # written only when set, so rows of requests that use none of them keep their fields
+    stop_reason: str | int | None = None  # the stop string / stop token id that ended it (finish_reason stop)
+    custom_id: str | None = None  # the request's id in an OpenAI batch file
+    logprobs: list[dict] | None = None  # per generated token (sampling.logprobs), see spmd_engine/logprobs.py
+    prompt_logprobs: list[dict | None] | None = None  # per prompt token, None for the first
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        for k in ("first_token_time", "finish_time", "token_times", "num_cached_tokens"):
+            d.pop(k)
+        for k in OPTIONAL_FIELDS:
+            if d[k] is None:
+                d.pop(k)
+        if self.finish_reason == "error":
+            d.update(error_echo(self.prompt, self.prompt_token_ids))
+            if self.error is not None and len(self.error) > ERROR_TEXT_CHARS:
+                d["error"] = self.error[:ERROR_TEXT_CHARS] + "..."
+        return d
+
+
+def error_echo(prompt: str | None, prompt_token_ids: list[int] | None) -> dict:
+    """The prompt fields of an error row: capped, with the full lengths added where a cap cut them."""
+    echo: dict[str, Any] = {"prompt": prompt, "prompt_token_ids": prompt_token_ids}
+    if prompt is not None and len(prompt) > ERROR_ECHO_CHARS:
+        echo.update(prompt=prompt[:ERROR_ECHO_CHARS], prompt_chars=len(prompt))
+    if prompt_token_ids is not None and len(prompt_token_ids) > ERROR_ECHO_TOKENS:
+        echo.update(prompt_token_ids=list(prompt_token_ids[:ERROR_ECHO_TOKENS]),
+                    prompt_num_tokens=len(prompt_token_ids))
+    return echo
+
+
+@dataclass
+class PromptRequest:
+    """One request as read: text or token ids, sampling overrides, or the one-line reason it can't run."""
+
+    index: int  # position in the job's request list (outputs are reported in this order)
+    prompt: str | None
+    prompt_token_ids: list[int] | None
+    overrides: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+    # chat input: rendered by the tokenizer's chat template (with the generation prompt) at tokenize time
+    messages: list[dict[str, str]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # this line's template options (over the job's)
+    custom_id: str | None = None  # the OpenAI batch line's id, echoed in its output row
+    api: str | None = None  # an OpenAI batch line's endpoint: "chat" | "completions" (None: our own line)
+
+
+def shorten(text: str, limit: int = 60) -> str:
+    """`text` cut to `limit` characters for an error line (a hostile line must not make a huge one)."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def validate_prompt(token_ids: list[int], vocab_size: int, max_model_len: int) -> str | None:
+    """One error line, or None if the prompt fits: non-empty, ids in the vocabulary, room to generate one token."""
+    if len(token_ids) == 0:
+        return "prompt is empty"
+    for position, token in enumerate(token_ids):
+        if not 0 <= token < vocab_size:
+            return f"prompt_token_ids[{position}]={shorten(str(token), 24)} is outside the vocabulary [0, {vocab_size})"
+    if len(token_ids) >= max_model_len:
+        return f"prompt has {len(token_ids)} tokens; max_model_len={max_model_len} allows at most {max_model_len - 1}"
+    return None

@@ -1,0 +1,280 @@
+"""Rank-0 scheduler: picks each step's token batch under token/sequence/KV-block budgets.
+
+vLLM-v1 style unified steps: one step mixes decodes and (chunked) prefills; running sequences
+go first, then waiting ones are admitted FCFS; when KV blocks run out the most recently
+admitted running sequence is preempted and later recomputed from scratch.
+
+A step is accounted when it is scheduled (num_computed_tokens advances, a sampled token becomes
+pending), so the next step can be planned before this one's tokens are read back (async
+scheduling); `postprocess` then appends the tokens and finishes sequences. A sequence sampled in
+the last step runs one more token whose input the forward takes from that step's sampled tokens.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from spmd_engine.core.block_manager import BlockManager
+from spmd_engine.core.sequence import (
+    FINISH_ABORT,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Sequence,
+    SequenceStatus,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerConfig:
+    """Budgets and KV-pool shape; the fields are top-level config keys (num_blocks: the KV pool size)."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 4096
+    block_size: int = 16
+    num_blocks: int = 1024
+    enable_prefix_caching: bool = True
+
+    def validate(self) -> "SchedulerConfig":
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        per_seq = -(-self.max_model_len // self.block_size)
+        if self.num_blocks < per_seq:
+            raise ValueError(
+                f"the KV pool must hold ceil(max_model_len / block_size) = {per_seq} blocks so one "
+                f"full-length sequence fits, got num_blocks={self.num_blocks}"
+            )
+        return self
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+
+@dataclass
+class ScheduleOutput:
+    """One step's decision; lists of the scheduled sequences are aligned (batch order)."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)  # tokens computed this step
+    num_computed_before: list[int] = field(default_factory=list)  # tokens already in KV
+    sample: list[bool] = field(default_factory=list)  # the chunk reaches the last token: sample
+    preempted: list[Sequence] = field(default_factory=list)  # lost their blocks this step
+    finished_seq_ids: list[int] = field(default_factory=list)  # finished/aborted since last schedule
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    def _add(self, seq: Sequence, num_new: int) -> None:
+        """Schedule `num_new` tokens of `seq` and account for them now (see the module docstring)."""
+        sample = seq.num_computed_tokens + num_new == seq.num_planned_tokens
+        self.seqs.append(seq)
+        self.num_new_tokens.append(num_new)
+        self.num_computed_before.append(seq.num_computed_tokens)
+        self.sample.append(sample)
+        seq.num_computed_tokens += num_new
+        seq.num_pending_tokens += int(sample)
+
+
+class Scheduler:
+    """Owns the waiting queue, the running list and the block manager (rank 0 only)."""
+
+    def __init__(self, config: SchedulerConfig, eos_token_ids: set[int],
+                 block_manager: BlockManager | None = None) -> None:
+        """`block_manager`: an idle one (no block in use) kept from an earlier run, so its prefix cache
+        still hits; None = a fresh pool."""
+        self.config = config.validate()
+        self.eos_token_ids = set(eos_token_ids)
+        if block_manager is None:
+            block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        elif block_manager.num_used_blocks or (block_manager.num_blocks, block_manager.block_size,
+                                               block_manager.enable_prefix_caching) != (
+                config.num_blocks, config.block_size, config.enable_prefix_caching):
+            raise ValueError("a reused block manager must be idle and match num_blocks, block_size and "
+                             "enable_prefix_caching")
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: the last one is preempted first
+        self._unfinished: dict[int, Sequence] = {}
+        self._left_since_schedule: list[int] = []
+        self.num_preemptions = 0
+        # (sequence, its new token) -> the stop string the token completed, or None: the engine's
+        # incremental detokenizer (spmd_engine/detokenizer.py), for sequences with `stop` strings
+        self.stop_string_check: Callable[[Sequence, int], str | None] | None = None
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._unfinished)
+
+    def add(self, seq: Sequence) -> None:
+        if seq.seq_id in self._unfinished:
+            raise ValueError(f"request id {seq.seq_id} is already in flight")
+        if seq.num_tokens > self.config.max_model_len:
+            raise ValueError(
+                f"request {seq.seq_id}: prompt has {seq.num_tokens} tokens, more than "
+                f"max_model_len={self.config.max_model_len}"
+            )
+        seq.params.validate()
+        seq.status = SequenceStatus.WAITING
+        self._unfinished[seq.seq_id] = seq
+        self.waiting.append(seq)
+
+    def abort(self, seq_id: int) -> bool:
+        """Stop a request wherever it is (finish_reason "abort"); False if it is not in flight."""
+        seq = self._unfinished.get(seq_id)
+        if seq is None:
+            return False
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self._finish(seq, FINISH_ABORT)
+        return True
+
+    def schedule(self) -> ScheduleOutput:
+        out = ScheduleOutput(finished_seq_ids=self._left_since_schedule)
+        self._left_since_schedule = []
+        token_budget = self.config.max_num_batched_tokens
+        bm = self.block_manager
+
+        # 1. running sequences, in admission order: decodes take 1 token, prefills their next chunk
+        i = 0
+        while i < len(self.running) and token_budget > 0:
+            seq = self.running[i]
+            if self._ends_with_pending(seq):  # finishes by length once its pending token is read
+                i += 1
+                continue
+            num_new = min(seq.num_planned_tokens - seq.num_computed_tokens, token_budget)
+            while not bm.ensure_slots(seq, seq.num_computed_tokens + num_new):
+                victim = self.running.pop()  # most recently admitted; never one already scheduled
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out._add(seq, num_new)
+                token_budget -= num_new
+                i += 1
+
+        # 2. admit waiting sequences FCFS (not after a preemption: the pool is tight right now)
+        num_admitted = 0
+        while (
+            self.waiting
+            and not out.preempted
+            and token_budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            seq = self.waiting[0]
+            if seq.num_pending_tokens:  # preempted while its token was pending: wait for it
+                break
+            bm.allocate_prefix(seq, use_cache=seq.params.prompt_logprobs is None)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, token_budget)
+            if not bm.ensure_slots(seq, seq.num_computed_tokens + num_new):
+                bm.undo_prefix(seq)
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out._add(seq, num_new)
+            token_budget -= num_new
+            num_admitted += 1
+
+        if logger.isEnabledFor(logging.DEBUG):
+            num_decode = sum(1 for n, c in zip(out.num_new_tokens, out.num_computed_before) if n == 1 and c > 0)
+            logger.debug(
+                "schedule: %d seqs (%d decode, %d prefill, %d admitted), %d tokens, %d preempted, "
+                "waiting=%d running=%d free_blocks=%d",
+                out.num_seqs, num_decode, out.num_seqs - num_decode, num_admitted, out.num_tokens,
+                len(out.preempted), len(self.waiting), len(self.running), bm.num_free_blocks,
+            )
+        return out
+
+    def postprocess(self, output: ScheduleOutput, sampled: dict[int, int]) -> list[Sequence]:
+        """Take a step's sampled tokens (seq_id -> token) once they are on the host: cache the blocks
+        the step completed, append the tokens, finish sequences; return the newly finished."""
+        finished: list[Sequence] = []
+        for seq, before, num_new, sample in zip(output.seqs, output.num_computed_before, output.num_new_tokens,
+                                                output.sample):
+            if seq.is_finished:  # aborted, or finished by the step before (this one ran speculatively)
+                continue
+            if seq.status is SequenceStatus.RUNNING:  # a preempted one holds no blocks any more
+                self.block_manager.cache_full_blocks(seq, before + num_new)
+            if not sample:
+                continue
+            token = sampled[seq.seq_id]
+            seq.num_pending_tokens -= 1
+            seq.append_token(token)
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                if seq.status is SequenceStatus.WAITING:
+                    self.waiting.remove(seq)
+                self._finish(seq, reason)
+                finished.append(seq)
+        if finished:
+            self.running = [s for s in self.running if not s.is_finished]
+        return finished
+
+    def _ends_with_pending(self, seq: Sequence) -> bool:
+        """A pending token that will be the sequence's last (max_tokens or max_model_len)."""
+        if not seq.num_pending_tokens:
+            return False
+        outputs = seq.num_output_tokens + seq.num_pending_tokens
+        return outputs >= seq.params.max_tokens or seq.num_planned_tokens >= self.config.max_model_len
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        """EOS, a stop token, a stop string (none before min_tokens), then the length limits. A sequence
+        finished here that has a speculative step in flight drops its token, whatever stopped it."""
+        params = seq.params
+        if seq.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return FINISH_STOP
+            if params.stop_token_ids and token in params.stop_token_ids:
+                seq.stop_reason = token
+                return FINISH_STOP
+        if params.stop and self.stop_string_check is not None:
+            matched = self.stop_string_check(seq, token)  # fed every token: it follows the text
+            if matched is not None:
+                seq.stop_reason = matched
+                return FINISH_STOP
+        if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return FINISH_LENGTH
+        return None
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: drop its KV, keep its tokens (a pending one is appended when it
+        arrives, before the sequence can be readmitted), requeue it first."""
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        del self._unfinished[seq.seq_id]
+        self._left_since_schedule.append(seq.seq_id)

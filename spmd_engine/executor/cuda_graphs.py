@@ -1,0 +1,125 @@
+"""DecodeGraphs: decode steps replayed from CUDA graphs, one graph per padded batch size.
+
+A decode step of a small model is hundreds of tiny kernels; launching them one by one from Python
+costs more than running them. Each graph covers the whole step, LM head (and its gather to tensor-
+parallel rank 0) included, over the runner's persistent input buffers. Every rank captures the same
+sizes in the same order (the graphs hold NCCL collectives) into one shared memory pool, largest
+first so the smaller graphs reuse its memory; `close` frees them before the process group goes.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from spmd_engine.executor.forward_batch import ForwardBatch, HostBatch
+from spmd_engine.executor.input_buffers import InputBuffers
+
+
+log = logging.getLogger(__name__)
+
+WARMUP_RUNS = 2  # compile every Triton specialisation and initialise NCCL before capturing
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 16, then max_num_seqs itself (all <= max_num_seqs)."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    sizes = {n for n in (1, 2, 4, 8) if n <= max_num_seqs}
+    sizes.update(range(16, max_num_seqs + 1, 16))
+    sizes.add(max_num_seqs)
+    return sorted(sizes)
+
+
+def decode_step(model: torch.nn.Module, batch: ForwardBatch) -> torch.Tensor | None:
+    """What one graph records: forward over every (padded) row, then logits for every row."""
+    hidden = model(batch.input_ids, batch.positions, batch.attn)
+    return model.compute_logits(hidden)
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor | None  # static output [rows, vocab] on tp rank 0, None elsewhere
+
+
+class DecodeGraphs:
+    def __init__(self, buffers: InputBuffers, graphs: dict[int, _Graph]) -> None:
+        self.buffers = buffers
+        self.graphs = graphs
+        self.sizes = sorted(graphs)
+        self.num_replays = 0
+
+    @property
+    def max_batch(self) -> int:
+        return self.sizes[-1] if self.sizes else 0
+
+    @classmethod
+    @torch.inference_mode()
+    def capture(cls, model: torch.nn.Module, buffers: InputBuffers, max_num_seqs: int) -> DecodeGraphs:
+        """Capture every size of `graph_batch_sizes(max_num_seqs)` over `buffers` (the runner's own:
+        the graphs read and write exactly those views)."""
+        max_blocks = buffers.max_blocks
+        sizes = [n for n in graph_batch_sizes(max_num_seqs) if n <= buffers.max_tokens]
+        started = time.perf_counter()
+        reserved_before = torch.cuda.memory_reserved()
+        pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream()
+        graphs: dict[int, _Graph] = {}
+        for n in reversed(sizes):
+            batch = buffers.load(HostBatch.padding(n, max_blocks), rows=n)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(WARMUP_RUNS):
+                    decode_step(model, batch)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                logits = decode_step(model, batch)
+            graphs[n] = _Graph(graph, logits)
+        torch.cuda.synchronize()
+        log.info("CUDA graphs: %d decode batch sizes (%s) captured in %.1f s, %.2f GiB reserved",
+                 len(sizes), _ranges(sizes), time.perf_counter() - started,
+                 (torch.cuda.memory_reserved() - reserved_before) / (1 << 30))
+        return cls(buffers, graphs)
+
+    def can_run(self, host: HostBatch) -> bool:
+        return host.is_decode and 0 < host.num_seqs <= self.max_batch and self.buffers.fits(host)
+
+    def padded_size(self, num_seqs: int) -> int:
+        return self.sizes[bisect.bisect_left(self.sizes, num_seqs)]
+
+    def stage(self, host: HostBatch) -> tuple[int, ForwardBatch]:
+        """Copy the batch into the captured buffers, padded to the smallest graph that holds it."""
+        rows = self.padded_size(host.num_seqs)
+        return rows, self.buffers.load(host, rows=rows)
+
+    def replay(self, rows: int, host: HostBatch, batch: ForwardBatch) -> torch.Tensor | None:
+        """Replay graph `rows`; logits of the sampled rows on tp rank 0.
+
+        The logits are a view of the graph's static output: valid until the next replay.
+        """
+        captured = self.graphs[rows]
+        captured.graph.replay()
+        self.num_replays += 1
+        if captured.logits is None:
+            return None
+        if len(host.logits_indices) == host.num_seqs:  # every row samples (a pure decode step)
+            return captured.logits[: host.num_seqs]
+        return captured.logits.index_select(0, batch.logits_indices)
+
+    def close(self) -> None:
+        """Drop every graph and its pool (before destroy_process_group: NCCL hangs otherwise)."""
+        for captured in self.graphs.values():
+            captured.graph.reset()
+        self.graphs.clear()
+        self.sizes = []
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def _ranges(sizes: list[int]) -> str:
+    return ", ".join(str(n) for n in sizes) if len(sizes) <= 6 else f"{sizes[0]}, {sizes[1]}, ..., {sizes[-1]}"

@@ -1,0 +1,192 @@
+"""ForwardBatch: a StepPlan turned into the model's device inputs, identically on every rank.
+
+All index arithmetic is vectorised numpy on the host (no per-sequence Python loops), then each
+array is copied to the device once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from spmd_engine.models.attention_metadata import AttentionMetadata
+from spmd_engine.core.plan import StepPlan
+
+
+# What a field's length counts: the step's tokens T, its sequences B, B + 1, or B rows of max_blocks
+TOKENS, SEQS, SEQS_PLUS_ONE, TABLE_ROWS = "tokens", "seqs", "seqs+1", "table_rows"
+
+
+@dataclass(frozen=True)
+class BatchField:
+    """One host array of a step. Declared once: the host batch, the persistent input buffers (and so
+    the CUDA graphs captured on them) and the start-up warm-up all take their layout from BATCH_FIELDS."""
+
+    name: str
+    dtype: type  # np.int64 | np.int32
+    extent: str  # TOKENS | SEQS | SEQS_PLUS_ONE | TABLE_ROWS
+    pad: int | None  # what a padding token / sequence holds (decode graphs); None: not a padded field
+
+    def capacity(self, max_tokens: int, max_seqs: int, max_blocks: int) -> int:
+        return {TOKENS: max_tokens, SEQS: max_seqs, SEQS_PLUS_ONE: max_seqs + 1,
+                TABLE_ROWS: max_seqs * max_blocks}[self.extent]
+
+
+BATCH_FIELDS: tuple[BatchField, ...] = (
+    BatchField("input_ids", np.int64, TOKENS, 0),
+    BatchField("positions", np.int64, TOKENS, 0),
+    BatchField("slot_mapping", np.int64, TOKENS, -1),  # -1: the token's K/V is not stored
+    BatchField("logits_indices", np.int64, SEQS, None),  # rows of the hidden states that get logits
+    BatchField("deferred_positions", np.int64, SEQS, None),
+    BatchField("deferred_rows", np.int64, SEQS, None),
+    BatchField("cu_seqlens_q", np.int32, SEQS_PLUS_ONE, None),  # a padding sequence is one token
+    BatchField("seq_lens", np.int32, SEQS, 0),  # 0: attention reads nothing for the row
+    BatchField("block_tables", np.int32, TABLE_ROWS, 0),  # last: a copy stops after the rows in use
+)
+
+
+@dataclass
+class HostBatch:
+    """The host-side arrays of one step (kept separate so CUDA graphs can copy them into static buffers);
+    the array fields are BATCH_FIELDS."""
+
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64
+    cu_seqlens_q: np.ndarray  # [B + 1] int32
+    seq_lens: np.ndarray  # [B] int32
+    block_tables: np.ndarray  # [B, max_blocks] int32
+    logits_indices: np.ndarray  # [num_sampled] int64: rows of the hidden states that get logits
+    max_query_len: int
+    max_seq_len: int
+    is_decode: bool
+    # inputs the previous step sampled (see StepPlan): filled on the device before the forward
+    deferred_positions: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [D] int64
+    deferred_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [D] int64
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @classmethod
+    def padding(cls, rows: int, max_blocks: int) -> HostBatch:
+        """A decode batch of `rows` padding rows (nothing read or stored): the CUDA graphs' capture input."""
+        arrays = {f.name: np.full((rows, max_blocks) if f.extent == TABLE_ROWS else rows, f.pad, dtype=f.dtype)
+                  for f in BATCH_FIELDS if f.pad is not None}
+        return cls(**arrays, cu_seqlens_q=np.arange(rows + 1, dtype=np.int32),
+                   logits_indices=np.arange(rows, dtype=np.int64), max_query_len=1, max_seq_len=0, is_decode=True)
+
+    @classmethod
+    def unstored_prefill(cls, seq_lens: list[int]) -> HostBatch:
+        """Whole prefills of `seq_lens` tokens that store no K/V (padding ids and slots, one zero block
+        table row each): the start-up warm-up that measures activation memory before the KV cache."""
+        pads = {f.name: f for f in BATCH_FIELDS}
+        q = np.asarray(seq_lens, dtype=np.int64)
+        cu = np.zeros(len(q) + 1, dtype=np.int64)
+        np.cumsum(q, out=cu[1:])
+        total = int(cu[-1])
+
+        def padded(name: str, shape) -> np.ndarray:
+            return np.full(shape, pads[name].pad, dtype=pads[name].dtype)
+
+        return cls(input_ids=padded("input_ids", total), positions=np.concatenate([np.arange(n) for n in q]),
+                   slot_mapping=padded("slot_mapping", total), cu_seqlens_q=cu.astype(np.int32),
+                   seq_lens=q.astype(np.int32), block_tables=padded("block_tables", (len(q), 1)),
+                   logits_indices=cu[1:] - 1, max_query_len=int(q.max()), max_seq_len=int(q.max()), is_decode=False)
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn: AttentionMetadata
+    logits_indices: torch.Tensor
+    deferred_positions: torch.Tensor  # [D] int64, into input_ids
+    deferred_rows: torch.Tensor  # [D] int64, into the previous step's sampled tokens
+
+    def fill_deferred(self, prev_tokens: torch.Tensor | None) -> None:
+        """Write the previous step's sampled tokens into the inputs waiting for them (no host sync)."""
+        if self.deferred_positions.numel() == 0:
+            return
+        if prev_tokens is None:
+            raise RuntimeError("the plan defers inputs to the previous step's tokens, but none were given")
+        self.input_ids.index_copy_(0, self.deferred_positions, prev_tokens.index_select(0, self.deferred_rows))
+
+
+def build_host_batch(plan: StepPlan, block_tables: np.ndarray, block_size: int) -> HostBatch:
+    if plan.is_decode:
+        return _decode_host_batch(plan, block_tables, block_size)
+    q = plan.query_lens.astype(np.int64)
+    cu = np.zeros(len(q) + 1, dtype=np.int64)
+    np.cumsum(q, out=cu[1:])
+    total = int(cu[-1])
+    seq_index = np.repeat(np.arange(len(q)), q)
+    offset_in_seq = np.arange(total, dtype=np.int64) - cu[:-1][seq_index]
+    positions = plan.num_computed.astype(np.int64)[seq_index] + offset_in_seq
+    blocks = block_tables[seq_index, positions // block_size].astype(np.int64)
+    slot_mapping = blocks * block_size + positions % block_size
+    seq_lens = (plan.num_computed + plan.query_lens).astype(np.int32)
+    logits_indices = cu[1:][plan.sample] - 1
+    return HostBatch(
+        input_ids=plan.input_ids.astype(np.int64),
+        positions=positions,
+        slot_mapping=slot_mapping,
+        cu_seqlens_q=cu.astype(np.int32),
+        seq_lens=seq_lens,
+        block_tables=block_tables,
+        logits_indices=logits_indices.astype(np.int64),
+        max_query_len=int(q.max()) if len(q) else 0,
+        max_seq_len=int(seq_lens.max()) if len(q) else 0,
+        is_decode=plan.is_decode,
+        deferred_positions=plan.deferred_positions.astype(np.int64),
+        deferred_rows=plan.deferred_rows.astype(np.int64),
+    )
+
+
+def _decode_host_batch(plan: StepPlan, block_tables: np.ndarray, block_size: int) -> HostBatch:
+    """One token per sequence: the same arrays without the varlen bookkeeping (the common step)."""
+    num = plan.num_seqs
+    positions = plan.num_computed.astype(np.int64)
+    blocks = block_tables[np.arange(num), positions // block_size].astype(np.int64)
+    seq_lens = (positions + 1).astype(np.int32)
+    rows = np.arange(num + 1, dtype=np.int64)
+    return HostBatch(
+        input_ids=plan.input_ids.astype(np.int64),
+        positions=positions,
+        slot_mapping=blocks * block_size + positions % block_size,
+        cu_seqlens_q=rows.astype(np.int32),
+        seq_lens=seq_lens,
+        block_tables=block_tables,
+        logits_indices=rows[:-1][plan.sample],
+        max_query_len=1,
+        max_seq_len=int(seq_lens.max()),
+        is_decode=True,
+        deferred_positions=plan.deferred_positions.astype(np.int64),
+        deferred_rows=plan.deferred_rows.astype(np.int64),
+    )
+
+
+def to_device(host: HostBatch, block_size: int, device: torch.device) -> ForwardBatch:
+    def put(a: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(np.ascontiguousarray(a))
+        if device.type == "cuda":
+            return t.pin_memory().to(device, non_blocking=True)
+        return t
+
+    attn = AttentionMetadata(
+        slot_mapping=put(host.slot_mapping),
+        cu_seqlens_q=put(host.cu_seqlens_q),
+        seq_lens=put(host.seq_lens),
+        block_tables=put(host.block_tables),
+        max_query_len=host.max_query_len,
+        max_seq_len=host.max_seq_len,
+        block_size=block_size,
+        is_decode=host.is_decode,
+    )
+    return ForwardBatch(put(host.input_ids), put(host.positions), attn, put(host.logits_indices),
+                        put(host.deferred_positions), put(host.deferred_rows))

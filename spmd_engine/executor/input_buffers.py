@@ -1,0 +1,105 @@
+"""InputBuffers: one step's model inputs staged in a persistent pinned buffer, copied in one go.
+
+Every field has a fixed place in one byte buffer on the host (pinned) and one on the device, so a
+step costs one host->device copy and no allocation, and the device views keep their addresses from
+step to step: the decode CUDA graphs are captured on exactly these views. The block table comes
+last, so the copy stops after the rows this step uses.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from spmd_engine.models.attention_metadata import AttentionMetadata
+from spmd_engine.executor.forward_batch import BATCH_FIELDS, TOKENS, ForwardBatch, HostBatch
+
+_ALIGN = 256  # bytes; keeps every view aligned like a fresh allocation (Triton specialises on it)
+_NUMPY = {torch.int64: np.int64, torch.int32: np.int32}
+_TORCH = {np_type: torch_type for torch_type, np_type in _NUMPY.items()}
+
+
+@dataclass(frozen=True)
+class BufferField:
+    name: str
+    dtype: torch.dtype
+    numel: int
+    offset: int  # bytes from the start of the buffer
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.tensor([], dtype=self.dtype).element_size()
+
+
+def _layout(max_tokens: int, max_seqs: int, max_blocks: int) -> tuple[dict[str, BufferField], int]:
+    fields, offset = {}, 0
+    for spec in BATCH_FIELDS:
+        field = BufferField(spec.name, _TORCH[spec.dtype], spec.capacity(max_tokens, max_seqs, max_blocks), offset)
+        fields[spec.name] = field
+        offset += -(-field.nbytes // _ALIGN) * _ALIGN
+    return fields, offset
+
+
+class InputBuffers:
+    """Capacity: `max_tokens` tokens and `max_seqs` sequences of `max_blocks` KV blocks per step."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, block_size: int,
+                 device: torch.device) -> None:
+        self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
+        self.block_size = block_size
+        self.device = device
+        self.fields, total = _layout(max_tokens, max_seqs, max_blocks)
+        self.host = torch.zeros(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        self.dev = torch.zeros(total, dtype=torch.uint8, device=device)
+        host_np = self.host.numpy()
+        self._np = {n: host_np[f.offset:f.offset + f.nbytes].view(_NUMPY[f.dtype]) for n, f in self.fields.items()}
+        self._dev = {n: self.dev[f.offset:f.offset + f.nbytes].view(f.dtype) for n, f in self.fields.items()}
+        self._np["block_tables"] = self._np["block_tables"].reshape(max_seqs, max_blocks)
+        self._dev["block_tables"] = self._dev["block_tables"].view(max_seqs, max_blocks)
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
+
+    def fits(self, host: HostBatch, rows: int | None = None) -> bool:
+        rows = host.num_seqs if rows is None else rows
+        return (host.num_tokens <= self.max_tokens and rows <= self.max_seqs and rows <= self.max_tokens
+                and len(host.deferred_positions) <= self.max_seqs
+                and host.block_tables.shape[1] == self.max_blocks)
+
+    def load(self, host: HostBatch, rows: int | None = None) -> ForwardBatch:
+        """Stage `host` and copy it to the device; return device views of this step's inputs.
+
+        `rows` pads a decode batch to that many sequences (one token each): padded rows have slot
+        -1 (nothing stored) and seq_len 0 (the decode kernel returns zeros for them).
+        """
+        num_seqs, num_tokens = host.num_seqs, host.num_tokens
+        rows = num_seqs if rows is None else rows
+        if rows != num_seqs and not (host.is_decode and rows > num_seqs):
+            raise ValueError(f"only a decode batch can be padded, got {num_seqs} seqs -> {rows} rows")
+        tokens = num_tokens + rows - num_seqs
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has left the staging buffer
+        a = self._np
+        for spec in BATCH_FIELDS:
+            value = getattr(host, spec.name)
+            a[spec.name][: len(value)] = value
+        if rows > num_seqs:  # padding rows, as BATCH_FIELDS declares them
+            for spec in BATCH_FIELDS:
+                if spec.pad is not None:
+                    start, end = (num_tokens, tokens) if spec.extent == TOKENS else (num_seqs, rows)
+                    a[spec.name][start:end] = spec.pad
+            a["cu_seqlens_q"][num_seqs + 1: rows + 1] = np.arange(num_tokens + 1, tokens + 1, dtype=np.int32)
+        num_logits, num_deferred = len(host.logits_indices), len(host.deferred_positions)
+        tables = self.fields["block_tables"]
+        end = tables.offset + rows * self.max_blocks * 4
+        self.dev[:end].copy_(self.host[:end], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        d = self._dev
+        attn = AttentionMetadata(
+            slot_mapping=d["slot_mapping"][:tokens], cu_seqlens_q=d["cu_seqlens_q"][: rows + 1],
+            seq_lens=d["seq_lens"][:rows], block_tables=d["block_tables"][:rows],
+            max_query_len=host.max_query_len, max_seq_len=host.max_seq_len, block_size=self.block_size,
+            is_decode=host.is_decode)
+        return ForwardBatch(d["input_ids"][:tokens], d["positions"][:tokens], attn, d["logits_indices"][:num_logits],
+                            d["deferred_positions"][:num_deferred], d["deferred_rows"][:num_deferred])
+

@@ -1,0 +1,114 @@
+"""Logit transforms applied on rank 0 between the LM head and the sampler (kept out of sampler.py).
+
+Why here: the sampler draws from whatever logits it is given; request options that change the
+distribution itself (min_tokens forbidding the stop tokens for now) are applied to the logits
+first, each one a function of a row's own request and counter (batch-independent), and only for
+rows that need it (a step without such rows costs nothing).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence as Seq
+
+import torch
+
+from spmd_engine.core.sequence import Sequence
+
+
+def stop_tokens_of(seq: Sequence, eos_token_ids: Iterable[int]) -> list[int]:
+    """The tokens that would end `seq`: EOS (unless ignore_eos) and its stop_token_ids."""
+    tokens = set() if seq.params.ignore_eos else set(eos_token_ids)
+    tokens.update(seq.params.stop_token_ids or ())
+    return sorted(tokens)
+
+
+def min_tokens_mask(picked: Seq[tuple[Sequence, int]], eos_token_ids: Iterable[int],
+                    vocab_size: int) -> tuple[list[int], list[int]]:
+    """(rows, columns) of the logits to set to -inf: the stop tokens of every row whose draw comes
+    before its request's min_tokens (vLLM's MinTokensLogitsProcessor). `picked`: (sequence, position
+    of the token being drawn) per logits row."""
+    eos = list(eos_token_ids)
+    rows: list[int] = []
+    cols: list[int] = []
+    for row, (seq, position) in enumerate(picked):
+        if seq.params.min_tokens and position - seq.num_prompt_tokens < seq.params.min_tokens:
+            for token in stop_tokens_of(seq, eos):
+                if 0 <= token < vocab_size:
+                    rows.append(row)
+                    cols.append(token)
+    return rows, cols
+
+
+@torch.inference_mode()
+def apply_min_tokens(logits: torch.Tensor, picked: Seq[tuple[Sequence, int]],
+                     eos_token_ids: Iterable[int]) -> torch.Tensor:
+    """Forbid the stop tokens of rows still short of min_tokens, in place; nothing to do: no work at all."""
+    rows, cols = min_tokens_mask(picked, eos_token_ids, logits.shape[-1])
+    if rows:
+        index = torch.tensor([rows, cols], dtype=torch.int64)
+        if logits.device.type == "cuda":
+            index = index.pin_memory().to(logits.device, non_blocking=True)
+        logits[index[0], index[1]] = float("-inf")
+    return logits
+
+
+def _padded(rows: list[list[int]], pad: int) -> torch.Tensor:
+    width = max(1, max(len(r) for r in rows))
+    out = torch.full((len(rows), width), pad, dtype=torch.int64)
+    for i, r in enumerate(rows):
+        if r:
+            out[i, :len(r)] = torch.as_tensor(r, dtype=torch.int64)
+    return out
+
+
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+@torch.inference_mode()
+def apply_penalties_and_min_p(logits: torch.Tensor, picked: Seq[tuple[Sequence, int]],
+                              min_temperature: float = 1e-5) -> torch.Tensor:
+    """vLLM's repetition / frequency / presence penalties and min_p, in place, for the rows that set any.
+
+    Penalties look at the request's output tokens before the one being drawn (all on the host when a
+    step is sampled: the previous step's tokens are post-processed first, also with async
+    scheduling) and, for repetition_penalty, its prompt. min_p is applied to the penalised logits in
+    logit space with the row's temperature: p_i < min_p * p_max  <=>  z_i < z_max + T * ln(min_p),
+    so the sampler's own temperature division sees exactly vLLM's mask. Rows setting none: no work.
+    """
+    vocab, dev = logits.shape[-1], logits.device
+    pen = [i for i, (s, _) in enumerate(picked) if s.params.has_penalties]
+    if pen:
+        outputs, prompts = [], []
+        for i in pen:
+            seq, position = picked[i]
+            drawn = position - seq.num_prompt_tokens  # output tokens before this draw
+            outputs.append(seq.token_ids[seq.num_prompt_tokens:seq.num_prompt_tokens + drawn])
+            prompts.append(seq.prompt_token_ids if seq.params.repetition_penalty != 1.0 else [])
+        params = [picked[i][0].params for i in pen]
+        host = torch.tensor([[p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
+                             [p.presence_penalty for p in params]], dtype=torch.float32)
+        rep, freq, pres = _to(host, dev)
+        index = _to(torch.as_tensor(pen, dtype=torch.int64), dev)
+        z = logits.index_select(0, index)
+        counts = torch.zeros(len(pen), vocab + 1, dtype=torch.float32, device=dev)
+        out_ids = _to(_padded(outputs, vocab), dev)  # padding counts into the extra column
+        counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=torch.float32))
+        counts = counts[:, :vocab]
+        seen = torch.zeros(len(pen), vocab + 1, dtype=torch.bool, device=dev)
+        seen.scatter_(1, _to(_padded(prompts, vocab), dev), True)
+        seen = seen[:, :vocab] | (counts > 0)
+        factor = torch.where(z > 0, 1.0 / rep[:, None], rep[:, None])
+        z = torch.where(seen, z * factor, z)
+        z = z - freq[:, None] * counts - pres[:, None] * (counts > 0).float()
+        logits.index_copy_(0, index, z)
+    mp = [i for i, (s, _) in enumerate(picked) if s.params.min_p > 0 and s.params.temperature >= min_temperature]
+    if mp:
+        host = torch.tensor([[math.log(picked[i][0].params.min_p) * picked[i][0].params.temperature for i in mp]],
+                            dtype=torch.float32)[0]
+        margin = _to(host, dev)
+        index = _to(torch.as_tensor(mp, dtype=torch.int64), dev)
+        z = logits.index_select(0, index)
+        cut = z.max(dim=-1, keepdim=True).values + margin[:, None]
+        logits.index_copy_(0, index, z.masked_fill(z < cut, float("-inf")))
+    return logits

@@ -1,0 +1,229 @@
+"""ModelRunner: owns the model and its KV cache on one rank and turns a StepPlan into logits.
+
+Every rank runs this identically; only tensor-parallel rank 0 gets logits back. On CUDA a step's
+inputs go through persistent pinned buffers (one host->device copy) and decode steps replay CUDA
+graphs captured over those same buffers.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from spmd_engine.models.model_config import ModelShape
+from spmd_engine.distributed import all_reduce_min, broadcast_tensor, is_distributed
+from spmd_engine.executor.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from spmd_engine.executor.forward_batch import ForwardBatch, HostBatch, build_host_batch, to_device
+from spmd_engine.executor.input_buffers import InputBuffers
+from spmd_engine.executor.kv_cache import (FP8_CALIBRATION_TOKENS, CudaMemoryBudget, KVCacheSpec, allocate_kv_cache,
+                                  bind_kv_scales, blocks_for_bytes, calibrate_fp8_kv_scales, planned_num_blocks)
+from spmd_engine.core.plan import StepPlan
+from spmd_engine.executor.block_table import BlockTableMirror
+from spmd_engine.executor.logprobs import host_to_device, prompt_logit_rows
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunnerSettings:
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enforce_eager: bool
+    gpu_memory_utilization: float
+    cpu_kv_cache_gib: float
+    num_kv_blocks: int | None
+    kv_cache_dtype: str = "auto"  # auto (the model dtype) | fp8 (float8_e4m3fn, calibrated per-head scales)
+
+
+@dataclass
+class StagedStep:
+    """A plan's inputs already on the device, waiting only for the previous step's sampled tokens."""
+
+    plan: StepPlan
+    host: HostBatch
+    batch: ForwardBatch
+    graph_rows: int | None  # the padded decode graph to replay; None: run eagerly
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, shape: ModelShape, settings: RunnerSettings,
+                 device: torch.device, dtype: torch.dtype, tp_size: int) -> None:
+        self.model = model
+        self.shape = shape
+        self.settings = settings
+        self.device = device
+        self.spec = KVCacheSpec.for_model(shape, tp_size, settings.block_size, dtype, settings.kv_cache_dtype)
+        max_blocks = -(-settings.max_model_len // settings.block_size)
+        self.use_graphs = (device.type == "cuda" and not settings.enforce_eager
+                           and all(layer.backend == "triton" for layer in model.attention_layers()))
+        self.memory_budget: CudaMemoryBudget | None = None
+        self.num_blocks = all_reduce_min(self._fit_num_blocks())
+        # [num_layers, 2 (K, V), num_kv_heads] float32 with an fp8 cache; every rank calibrates (TP collectives)
+        self.kv_scales: torch.Tensor | None = None
+        if self.spec.is_fp8:
+            calibration_tokens = min(FP8_CALIBRATION_TOKENS, settings.max_model_len, settings.max_num_batched_tokens)
+            self.kv_scales = calibrate_fp8_kv_scales(model, shape.vocab_size, calibration_tokens, device)
+            if device.type == "cuda":  # hand the calibration's activations back before the pool is carved out
+                torch.cuda.empty_cache()
+        self.kv_caches = allocate_kv_cache(self.spec, self.num_blocks, device)
+        model.bind_kv_cache(self.kv_caches)
+        bind_kv_scales(model, self.kv_scales)
+        self.mirror = BlockTableMirror(max_blocks, settings.block_size)
+        self.inputs: InputBuffers | None = None
+        if device.type == "cuda":
+            self.inputs = InputBuffers(max(settings.max_num_batched_tokens, settings.max_num_seqs),
+                                       settings.max_num_seqs, max_blocks, settings.block_size, device)
+        self.token_buffer: torch.Tensor | None = None  # the previous step's sampled tokens (ranks > 0)
+        # rank 0: float32 logits of the last launch's prompt-logprob rows (StepPlan.prompt_logits), or None
+        self.last_prompt_logits: torch.Tensor | None = None
+        self.graphs: DecodeGraphs | None = None
+        # a pool smaller than one sequence is refused by the engine right after this; capture nothing
+        if self.use_graphs and self.num_blocks * settings.block_size >= settings.max_model_len:
+            self.graphs = DecodeGraphs.capture(model, self.inputs, settings.max_num_seqs)
+
+    # --- sizing -------------------------------------------------------------------------
+    def _fit_num_blocks(self) -> int:
+        s = self.settings
+        planned = planned_num_blocks(self.spec, s.num_kv_blocks, s.cpu_kv_cache_gib, self.device)
+        if planned is not None:
+            return planned
+        self.memory_budget = self._measure_cuda_budget()
+        return blocks_for_bytes(self.spec, self.memory_budget.kv_bytes)
+
+    @torch.inference_mode()
+    def _measure_cuda_budget(self) -> CudaMemoryBudget:
+        """Warm-up forwards without a KV cache: the eager step at the token budget, the largest
+        decode graph, and sampling max_num_seqs rows; each one's peak above what stays allocated."""
+        s = self.settings
+        num_tokens = min(s.max_num_batched_tokens, s.max_num_seqs * s.max_model_len)
+        seq_len = min(num_tokens, s.max_model_len)
+        lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
+        activation_peak = self._peak_of(lambda: self._warmup_forward(lens))
+        graph_pool = 0
+        if self.use_graphs:
+            graph_tokens = min(s.max_num_seqs, max(s.max_num_batched_tokens, s.max_num_seqs))
+            graph_pool = self._peak_of(lambda: self._warmup_forward([graph_tokens]))
+            # every graph keeps its own float32 logits output alive in the pool
+            graph_pool += sum(graph_batch_sizes(s.max_num_seqs)) * self.shape.vocab_size * 4
+        sampler_peak = self._peak_of(self._warmup_sampler)
+        gc.collect()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        return CudaMemoryBudget(total, s.gpu_memory_utilization, total - free, activation_peak, sampler_peak,
+                                graph_pool)
+
+    def _peak_of(self, fn) -> int:
+        gc.collect()  # an earlier job's model in this process (multirun) must not count as in use
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        baseline = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - baseline
+
+    def _warmup_forward(self, seq_lens: list[int]) -> None:
+        host = HostBatch.unstored_prefill(seq_lens)
+        batch = to_device(host, self.settings.block_size, self.device)
+        hidden = self.model(batch.input_ids, batch.positions, batch.attn)
+        # logits for max_num_seqs rows (the sampled rows of the largest step): the last tokens, repeated
+        last = batch.logits_indices
+        rows = last.repeat(-(-self.settings.max_num_seqs // len(seq_lens)))[: self.settings.max_num_seqs]
+        self.model.compute_logits(hidden[rows])
+
+    def _warmup_sampler(self) -> None:
+        """Sample max_num_seqs rows of fake logits through every sampler path (the sort of a top-k past
+        TOP_K_FAST_MAX is the costliest in memory; topk; top-p alone; the plain race), on rank 0's memory
+        only during sampling."""
+        from spmd_engine.executor.sampler import TOP_K_FAST_MAX, Sampler, SamplingRow
+        n = self.settings.max_num_seqs
+        logits = torch.randn(n, self.shape.vocab_size, device=self.device)
+        for top_k, top_p in ((TOP_K_FAST_MAX + 1, 0.9), (50, 0.9), (-1, 0.9), (-1, 1.0)):
+            Sampler(self.device).sample(logits, [SamplingRow(i, 1.0, top_p, top_k, i, 0) for i in range(n)])
+
+    # --- the step -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> torch.Tensor | None:
+        """Stage and launch one planned step (see `launch`); the other ranks' path."""
+        return self.launch(self.stage(plan))
+
+    @torch.inference_mode()
+    def stage(self, plan: StepPlan) -> StagedStep:
+        """Turn the plan into device inputs; the copy is queued behind whatever the GPU is running."""
+        tables = self.mirror.apply(plan)
+        host = build_host_batch(plan, tables, self.settings.block_size)
+        if self.graphs is not None and not plan.has_prompt_logits and self.graphs.can_run(host):
+            rows, batch = self.graphs.stage(host)
+            return StagedStep(plan, host, batch, rows)
+        if self.inputs is not None and self.inputs.fits(host):
+            return StagedStep(plan, host, self.inputs.load(host), None)
+        return StagedStep(plan, host, to_device(host, self.settings.block_size, self.device), None)
+
+    @torch.inference_mode()
+    def launch(self, staged: StagedStep, prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Fill the deferred inputs and launch the forward; logits [num_sampled, vocab] on rank 0,
+        None elsewhere. `prev_tokens`: rank 0's tokens of the previous step (None on other ranks).
+
+        Logits from a CUDA graph are a view of its static output: use them before the next step.
+        """
+        batch, plan = staged.batch, staged.plan
+        if plan.num_prev_sampled:
+            batch.fill_deferred(self._share_tokens(prev_tokens, plan.num_prev_sampled))
+        self.last_prompt_logits = None
+        if staged.graph_rows is not None:
+            return self.graphs.replay(staged.graph_rows, staged.host, batch)
+        hidden = self.model(batch.input_ids, batch.positions, batch.attn)
+        if plan.has_prompt_logits:  # one LM head call for the sampled rows and the prompt-logprob rows
+            return self._logits_with_prompt_rows(hidden, batch.logits_indices, plan)
+        if batch.logits_indices.numel() == 0:
+            return None
+        return self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
+
+    def _logits_with_prompt_rows(self, hidden: torch.Tensor, sample_rows: torch.Tensor, plan: StepPlan
+                                 ) -> torch.Tensor | None:
+        """Sampled rows' logits (returned) and the prompt rows' (kept in last_prompt_logits on rank 0);
+        every rank runs the same LM head rows (a collective gather under tensor parallelism)."""
+        prompt_rows = host_to_device(prompt_logit_rows(plan.query_lens, plan.prompt_logits), self.device)
+        num_sampled = sample_rows.numel()
+        logits = self.model.compute_logits(hidden.index_select(0, torch.cat([sample_rows, prompt_rows])))
+        if logits is None:
+            return None
+        self.last_prompt_logits = logits[num_sampled:]
+        return logits[:num_sampled] if num_sampled else None
+
+    def _share_tokens(self, mine: torch.Tensor | None, count: int) -> torch.Tensor:
+        """The previous step's sampled tokens on every rank: rank 0 broadcasts them as a device tensor
+        (NCCL on GPU, queued like any kernel: the host never waits for them)."""
+        if not is_distributed():
+            if mine is None:
+                raise RuntimeError("a single rank must pass its own sampled tokens")
+            return mine
+        if self.token_buffer is None or self.token_buffer.numel() < count:
+            self.token_buffer = torch.zeros(max(count, self.settings.max_num_seqs), dtype=torch.int64,
+                                            device=self.device)
+        shared = self.token_buffer[:count]
+        if mine is not None:
+            shared.copy_(mine[:count])
+        broadcast_tensor(shared)
+        return shared
+
+    def apply_stop(self, plan: StepPlan) -> None:
+        """The end of a generate call: forget the tables of the sequences it ran."""
+        self.mirror.apply(plan)
+
+    def close(self) -> None:
+        """Free CUDA graphs before the process group goes (NCCL hangs on destroy otherwise)."""
+        if self.graphs is not None:
+            self.graphs.close()
+            self.graphs: DecodeGraphs | None = None
+        self.inputs = None
+        self.model.bind_kv_cache([(None, None)] * len(self.kv_caches))
+        bind_kv_scales(self.model, None)
+        self.kv_caches = []
+        if self.device.type == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()

@@ -1,0 +1,260 @@
+"""Token sampling on rank 0 only: greedy, temperature, top-k, top-p; every draw seeded per request.
+
+Sampling on one rank and sending the tokens in the next plan keeps every rank's sequences
+identical without having to keep random generators in step across ranks.
+
+Determinism rule: a row's token is a function of its own logits, its own parameters, its seed and
+its counter (the index of the token within the request's output) only. The noise is a counter-based
+hash (kernels/sampling_noise.py, kernels/reference.py), not generator state, and the path a row
+takes (`path_of`: greedy, top-k by topk, larger top-k by sort, top-p rejection, plain race) depends
+on its own parameters alone, so neither its neighbours in the batch nor how steps were batched,
+preempted or planned ahead can change its draws.
+
+No path waits for the GPU (async scheduling overlaps the next step's planning with this one): the
+shapes come from the rows' parameters on the host, and every data-dependent decision (a top-p
+row's rejections and its fallback) is taken on the device, in one Triton program per row on CUDA
+(`kernels.sampling_noise.nucleus_sample`). The torch top-p path below (`_sample_nucleus`) is the
+CPU path and the kernel's reference: the same rounds, noise and cut, token for token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from spmd_engine.kernels.reference import gumbel_noise_at_reference, gumbel_noise_reference
+
+# below this, logits / temperature overflow float32: such rows are greedy (their limit anyway)
+MIN_TEMPERATURE = 1e-5
+NUCLEUS_ROUNDS = 6  # rejection rounds before the exact fallback (most rows finish in the first)
+SORT_ROUND = NUCLEUS_ROUNDS  # the noise round of the nucleus fallback (rounds 0.. are the rejections)
+# top-k rows with k up to this take `topk` (cheap for small k); larger k sort the vocabulary
+TOP_K_FAST_MAX = 1024
+_UINT64 = (1 << 64) - 1
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs of one request (rows align with the logits rows)."""
+
+    seq_id: int
+    temperature: float
+    top_p: float
+    top_k: int  # -1 or 0 = off
+    seed: int  # the request's noise seed (any int; its low 64 bits count)
+    counter: int  # index of the token being drawn within the request's output (0 = the first)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < MIN_TEMPERATURE
+
+
+def seed_bits(seed: int) -> int:
+    """A seed's low 64 bits as a signed int64 (what the noise kernels take)."""
+    bits = int(seed) & _UINT64
+    return bits - (1 << 64) if bits >= 1 << 63 else bits
+
+
+def request_seed(engine_seed: int, generation: int, index: int) -> int:
+    """The noise seed of a request without `sampling.seed`: drawn from a numpy generator keyed by the
+    engine `seed`, the generate call (the engine's step count when it began) and the request's index,
+    so a whole job is reproducible for a fixed engine seed, a resumed job draws what the first run
+    would have, and two generate calls of one engine differ. Returns a uint64 value."""
+    entropy = [int(engine_seed) & _UINT64, int(generation), int(index) & _UINT64]
+    return int(np.random.default_rng(entropy).integers(0, 1 << 64, dtype=np.uint64))
+
+
+def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, round_: int, vocab: int) -> torch.Tensor:
+    """[N, vocab] float32 Gumbel noise of the rows' (seed, counter, round) streams: Triton on CUDA,
+    the reference (the same hash bit for bit) elsewhere."""
+    if seeds.device.type == "cuda":
+        from spmd_engine.kernels.sampling_noise import gumbel_noise as triton_gumbel_noise
+        return triton_gumbel_noise(seeds, counters, round_, vocab)
+    return gumbel_noise_reference(seeds, counters, round_, vocab)
+
+
+def gumbel_noise_at(seeds: torch.Tensor, counters: torch.Tensor, round_: int, cols: torch.Tensor) -> torch.Tensor:
+    """`gumbel_noise(seeds, counters, round_, vocab).gather(1, cols)` without the [N, vocab] noise."""
+    if seeds.device.type == "cuda":
+        from spmd_engine.kernels.sampling_noise import gumbel_noise_at as triton_gumbel_noise_at
+        return triton_gumbel_noise_at(seeds, counters, round_, cols)
+    return gumbel_noise_at_reference(seeds, counters, round_, cols)
+
+
+def _host_to(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small per-step tensor on `device` without waiting for the GPU: from pinned memory, non-blocking
+    (a copy from pageable memory may wait for the queued forward, which costs async scheduling its
+    overlap)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+class Sampler:
+    """Draws one token per logits row; stateless (each row carries its seed and counter)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> np.ndarray:
+        """logits [N, V] float32 -> token ids [N] (numpy int64)."""
+        return self.sample_on_device(logits, rows).cpu().numpy()
+
+    @torch.inference_mode()
+    def sample_on_device(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """logits [N, V] -> token ids [N] int64 on the logits' device, queued without waiting for the
+        GPU on every path (async scheduling keeps its overlap): the shapes and the group of each row
+        are known on the host from the rows' parameters, every data-dependent choice is made on the
+        device.
+
+        Rows are grouped by their own parameters only (`path_of`): greedy (argmax), top-k up to
+        TOP_K_FAST_MAX (topk), larger top-k (sort), top-p alone (rejection), plain temperature (race)."""
+        groups: dict[str, list[int]] = {"top_k": [], "top_k_sort": [], "top_p": [], "plain": []}
+        for i, r in enumerate(rows):
+            kind = path_of(r)
+            if kind != "greedy":
+                groups[kind].append(i)
+        out: torch.Tensor | None = None
+        for kind, members in groups.items():
+            if not members:
+                continue
+            if len(members) == len(rows):  # the common case: one kind, no greedy rows, no row selection
+                return self._sample_group(kind, logits.float(), rows)
+            if out is None:
+                out = logits.argmax(dim=-1)
+            idx = _host_to(members, torch.int64, logits.device)
+            out[idx] = self._sample_group(kind, logits.index_select(0, idx).float(), [rows[i] for i in members])
+        return out if out is not None else logits.argmax(dim=-1)
+
+    @staticmethod
+    def _sample_group(kind: str, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        dev = logits.device
+        keys = _host_to([[seed_bits(r.seed) for r in rows], [r.counter for r in rows]], torch.int64, dev)
+        seeds, counters = keys[0], keys[1]
+        temps = _host_to([r.temperature for r in rows], torch.float32, dev)
+        if kind == "plain" and dev.type == "cuda":  # fused: the noise never leaves the registers
+            from spmd_engine.kernels.sampling_noise import gumbel_race
+            return gumbel_race(logits, temps, seeds, counters)
+        if kind == "top_p" and dev.type == "cuda":  # one program per row: rejection and fallback on the GPU
+            from spmd_engine.kernels.sampling_noise import nucleus_sample
+            top_p = _host_to([r.top_p for r in rows], torch.float32, dev)
+            return nucleus_sample(logits.contiguous(), temps, top_p, seeds, counters, NUCLEUS_ROUNDS)
+        if kind == "top_k":  # topk of the logits, then / T: the order is the same, one [N, V] pass less
+            return _sample_top_k(logits, temps, [r.top_k for r in rows], [r.top_p for r in rows], seeds, counters)
+        z = logits / temps[:, None]  # a true division: CUDA divides by a scalar as a multiply by the
+        # reciprocal, which would round otherwise than another batch's per-row division
+        if kind == "plain":
+            return _race(z, seeds, counters, 0)
+        if kind == "top_k_sort":
+            return _race(_apply_top_k_top_p(z, [r.top_k for r in rows], [r.top_p for r in rows]), seeds, counters, 0)
+        top_p = _host_to([r.top_p for r in rows], torch.float32, dev)
+        return _sample_nucleus(z, top_p, seeds, counters)
+
+
+def path_of(row: SamplingRow) -> str:
+    """The sampling path of a row, from its own parameters alone (the determinism rule)."""
+    if row.is_greedy:
+        return "greedy"
+    if row.top_k > 0:
+        return "top_k" if row.top_k <= TOP_K_FAST_MAX else "top_k_sort"
+    return "top_p" if row.top_p < 1.0 else "plain"
+
+
+def _sample_top_k(logits: torch.Tensor, temps: torch.Tensor, top_ks: list[int], top_ps: list[float],
+                  seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """The top-k path without a sort of the vocabulary: `topk` of the group's largest k (at most
+    TOP_K_FAST_MAX), each row masking the ranks past its own k, top-p within the renormalised top-k,
+    and the race over the candidates with the round-0 noise of their original columns.
+
+    The same token as `_race(_apply_top_k_top_p(z, ...), seeds, counters, 0)` with z = logits / T
+    (the sort path): dividing by T > 0 keeps the order, so the topk of the logits divided by T are
+    the topk of z, and the candidates carry the same float32 scores z + noise; ties go to the lowest
+    column as argmax's do, and the nucleus uses the same rule (mass of strictly better candidates <
+    top_p); only a tie at a row's k-th rank may keep another of the tied tokens (either is a valid
+    top-k set; a tie made by the division only is the same case). The nucleus masses are summed in
+    float64 from the row's maximum, so the width of the group's topk (its largest k) cannot move a
+    row's cut beyond float64 rounding."""
+    vocab = logits.shape[-1]
+    width = min(max(top_ks), vocab)
+    values, cols = logits.topk(width, dim=-1)  # sorted, descending
+    values = values / temps[:, None]  # the same true division as z's
+    k = _host_to([min(kk, width) for kk in top_ks], torch.int64, logits.device)
+    keep = torch.arange(width, device=logits.device)[None, :] < k[:, None]
+    weights = (values.double() - values[:, :1].double()).exp().masked_fill(~keep, 0.0)
+    cumulative = weights.cumsum(dim=-1)
+    total = cumulative.gather(1, k[:, None] - 1)
+    # top_p 1 masks nothing (a sum rounding past 1 must not cut the tail)
+    p = _host_to([pp if pp < 1.0 else float("inf") for pp in top_ps], torch.float64, logits.device)
+    keep &= (cumulative - weights) < p[:, None] * total
+    scores = (values + gumbel_noise_at(seeds, counters, 0, cols)).masked_fill(~keep, float("-inf"))
+    best = scores.max(dim=-1, keepdim=True).values
+    return torch.where(scores == best, cols, vocab).min(dim=-1).values
+
+
+def _race(z: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor, round_: int) -> torch.Tensor:
+    """Gumbel-max (the exponential race argmax(p / E) in log space): argmax(z + G) draws from softmax(z);
+    -inf entries never win."""
+    return (z + gumbel_noise(seeds, counters, round_, z.shape[-1])).argmax(dim=-1)
+
+
+def _sample_nucleus(z: torch.Tensor, top_p: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor
+                    ) -> torch.Tensor:
+    """Exact top-p sampling without sorting the vocabulary (a sort of [N, V] costs ms per step).
+
+    Token i is in the nucleus iff the mass of strictly likelier tokens is < top_p, so the nucleus
+    is every token whose logit is above some cut. Draw from p over the tokens still allowed; a
+    draw outside the nucleus shows that it and every token not likelier are outside, so those
+    are excluded and the row draws again. An accepted draw is distributed as p restricted to the
+    nucleus, exactly as with the sort. Round r uses the row's own (seed, counter, r) noise, so
+    whether and when a row is accepted depends on that row alone. Rows still unresolved after a
+    few rounds use the exact nucleus (here a sort; the CUDA kernel bisects for the same cut) with
+    their own round-NUCLEUS_ROUNDS noise.
+
+    Exactness: every round draws from p restricted to a set that still holds the whole nucleus, so
+    a draw accepted in any round is distributed as p restricted to the nucleus; the cuts and the
+    number of rounds depend only on rejected draws and the round streams are independent, so the
+    mixture over "accepted in round r" and "fallback" is that distribution too. The CPU path and
+    the reference of `kernels.sampling_noise.nucleus_sample`, which runs the same rounds on the
+    device without a host sync (this one syncs per round to shrink the batch; CPU has no queue).
+    """
+    probs = torch.softmax(z, dim=-1)
+    drawn = torch.empty(z.shape[0], dtype=torch.int64, device=z.device)
+    todo = torch.arange(z.shape[0], device=z.device)
+    cut: torch.Tensor | None = None  # per row: tokens with logits <= cut are known to be outside
+    for round_ in range(NUCLEUS_ROUNDS):
+        scores = z + gumbel_noise(seeds, counters, round_, z.shape[-1])
+        if cut is not None:
+            scores.masked_fill_(z <= cut[:, None], float("-inf"))
+        candidate = scores.argmax(dim=-1)
+        cand_logit = z.gather(1, candidate[:, None])
+        likelier = torch.where(z > cand_logit, probs, 0.0).sum(dim=-1)
+        accepted = ((likelier < top_p) | (top_p >= 1.0)).cpu()  # top_p 1: no nucleus (rounding aside)
+        done = accepted.nonzero().squeeze(1).to(z.device)
+        drawn[todo[done]] = candidate[done]
+        if bool(accepted.all()):
+            return drawn
+        rest = (~accepted).nonzero().squeeze(1).to(z.device)
+        todo, z, probs, top_p = todo[rest], z[rest], probs[rest], top_p[rest]
+        seeds, counters = seeds[rest], counters[rest]
+        cut = cand_logit[rest, 0]
+    masked = _apply_top_k_top_p(z, [-1] * z.shape[0], top_p.tolist())
+    drawn[todo] = _race(masked, seeds, counters, SORT_ROUND)
+    return drawn
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
+    """Mask logits outside each row's top-k and top-p nucleus with -inf (one sort for both)."""
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    k = _host_to([kk if kk > 0 else vocab for kk in top_ks], torch.int64, logits.device)
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    mask = ranks >= k[:, None]
+    sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
+    # top_p 1 masks nothing (a cumsum rounding past 1 must not cut the tail)
+    p = _host_to([pp if pp < 1.0 else float("inf") for pp in top_ps], torch.float32, logits.device)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly better tokens
+    sorted_logits = sorted_logits.masked_fill(mass_before >= p[:, None], float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)

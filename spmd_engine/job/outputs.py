@@ -1,0 +1,168 @@
+"""Per-request results and the crash-safe outputs.jsonl writer.
+
+Lines are appended and fsynced the moment a request finishes (so a crash or SIGTERM loses no
+finished completion); at a clean end the file is rewritten in submission order. A resumed job
+first rewrites the complete lines it keeps, so a line torn by the crash can't swallow the next.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+from spmd_engine.core.requests import (  # noqa: F401
+    ERROR_ECHO_CHARS,
+    ERROR_ECHO_TOKENS,
+    ERROR_TEXT_CHARS,
+    OPTIONAL_FIELDS,
+    RequestOutput,
+    error_echo,
+)
+
+# line breaks to str.splitlines (not to JSON): escaped, so a row stays one line to any reader
+_SPLITLINES_BREAKS = {0x85: "\\u0085", 0x2028: "\\u2028", 0x2029: "\\u2029"}
+
+
+def _dumps(row: dict) -> str:
+    """One JSON line; text that can't be UTF-8 (a lone surrogate) is written escaped instead of failing."""
+    line = json.dumps(row, ensure_ascii=False)
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError:
+        line = json.dumps(row)
+    return line.translate(_SPLITLINES_BREAKS) + "\n"
+
+
+class OutputsWriter:
+    """Appends finished requests to outputs.jsonl as they finish; `finalize` sorts the file."""
+
+    def __init__(self, path: Path, keep: list[dict] | None = None,
+                 sampling_of: Callable[[int], dict | None] | None = None,
+                 final_form: Callable[[dict], dict] | None = None) -> None:
+        """`sampling_of(index)`: the request's sampling parameters, written as the row's `sampling`
+        (what a resumed job checks its kept rows against). `final_form(row)`: what `finalize` writes
+        for each row instead of the row (output_format=openai); lines appended during the run stay rows."""
+        self.path = Path(path)
+        self.sampling_of = sampling_of
+        self.final_form = final_form
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if keep:
+            _rewrite(self.path, keep)
+        self._file = open(self.path, "a" if keep else "w", encoding="utf-8")
+        self._lock = threading.Lock()
+
+    def write(self, out: RequestOutput) -> None:
+        row = out.to_json()
+        if self.sampling_of is not None:
+            row["sampling"] = self.sampling_of(out.index)
+        line = _dumps(row)
+        with self._lock:
+            self._file.write(line)
+            self._file.flush()
+            os.fsync(self._file.fileno())
+
+    def quiesce(self, timeout_s: float = 5.0) -> None:
+        """Before the process is ended from another thread: let a line being written finish, block the rest."""
+        self._lock.acquire(timeout=timeout_s)
+
+    def finalize(self) -> None:
+        """Rewrite the file in submission (index) order, one line per index (the first kept), atomically."""
+        self._file.close()
+        rows = {}
+        for row in read_outputs(self.path):
+            rows.setdefault(row["index"], row)
+        ordered = [rows[i] for i in sorted(rows)]
+        _rewrite(self.path, [self.final_form(r) for r in ordered] if self.final_form else ordered)
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+
+
+def _rewrite(path: Path, rows: list[dict]) -> None:
+    tmp = path.with_suffix(".jsonl.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(_dumps(r))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_outputs(path: Path) -> list[dict]:
+    """Complete lines of an outputs.jsonl (a torn last line from a crash is ignored)."""
+    rows = []
+    if not Path(path).exists():
+        return rows
+    with open(path, encoding="utf-8", errors="replace") as f:  # a torn multi-byte character is no error
+        for line in f:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict) and isinstance(row.get("index"), int) and not isinstance(row["index"], bool):
+                rows.append(row)
+    return rows
+
+
+def _same_echo(kept: Any, full_len: Any, now: Any) -> bool:
+    """Whether a row's (possibly capped) echo `kept` of full length `full_len` is the value `now`."""
+    if kept is None or now is None:
+        return kept is None and now is None
+    return len(now) == full_len and now[:len(kept)] == kept
+
+
+def _short_repr(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+# sampling keys added after rows were first written: a kept row without one had its default
+_LATER_SAMPLING_KEYS = {"stop": None, "stop_token_ids": None, "min_tokens": 0, "include_stop_str_in_output": False,
+                        "logprobs": None, "prompt_logprobs": None, "min_p": 0.0, "repetition_penalty": 1.0,
+                        "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+
+def _row_differs(row: dict, prompt: str | None, prompt_token_ids: list[int] | None,
+                 sampling: dict | None) -> str | None:
+    kept_prompt = row.get("prompt")
+    if not _same_echo(kept_prompt, row.get("prompt_chars", len(kept_prompt or "")), prompt):
+        return f"prompt differs: kept {_short_repr(kept_prompt)}, now {_short_repr(prompt)}"
+    kept_ids = row.get("prompt_token_ids")
+    ids_known = prompt is None or (kept_ids is not None and prompt_token_ids is not None)
+    if ids_known and not _same_echo(kept_ids, row.get("prompt_num_tokens", len(kept_ids or [])),
+                                    prompt_token_ids):
+        return f"prompt_token_ids differ: kept {_short_repr(kept_ids)}, now {_short_repr(prompt_token_ids)}"
+    kept_sampling = row.get("sampling")
+    if isinstance(kept_sampling, dict) and sampling is not None:
+        for key in sorted(set(kept_sampling) | set(sampling)):
+            kept, now = kept_sampling.get(key, _LATER_SAMPLING_KEYS.get(key)), sampling.get(key)
+            if kept != now and not (kept != kept and now != now):  # NaN (an error row's) is NaN again
+                return f"sampling.{key} differs: kept {kept!r}, now {now!r}"
+    return None
+
+
+def resume_mismatch(rows: list[dict], requests: list, sampling_of: Callable[[int], dict | None]) -> str | None:
+    """Why the kept `rows` are not outputs of this job's `requests` (one line naming the first row that
+    differs in prompt, token ids or sampling), or None when every kept row matches its request.
+
+    Why: a resumed job skips the indices it finds; rows of another prompts file or other sampling
+    would silently stand in for requests that never ran.
+    """
+    by_index = {r.index: r for r in requests}
+    first_rows: dict[int, dict] = {}
+    for row in rows:
+        first_rows.setdefault(row["index"], row)  # finalize keeps the first line of an index
+    for index in sorted(first_rows):
+        request = by_index.get(index)
+        if request is None:
+            return f"outputs.jsonl row {index} has no request in this job ({len(requests)} requests)"
+        try:
+            why = _row_differs(first_rows[index], request.prompt, request.prompt_token_ids, sampling_of(index))
+        except (TypeError, ValueError):  # a row edited by hand: fields of other types
+            why = "its prompt fields are not ones this engine writes"
+        if why:
+            return f"outputs.jsonl row {index} is not this job's request {index}: {why}"
+    return None

@@ -1,0 +1,267 @@
+"""The engine's input side (rank 0): prompts from the CLI or a JSONL file, tokenized and checked.
+
+Why: one bad request must never sink a batch job, so every per-request problem becomes a
+`PromptRequest.error` line (reported in the outputs) while the good requests still run.
+"""
+from __future__ import annotations
+
+import codecs
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from spmd_engine.core.requests import PromptRequest, validate_prompt  # noqa: F401 (re-exported)
+from spmd_engine.core.requests import shorten as _short
+
+DEFAULT_PROMPTS: list[str] = [
+    "What is the capital of France? Answer in one sentence.",
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue.",
+    "List three prime numbers and say what makes them prime.",
+]
+
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "messages")
+CHAT_ROLES = ("system", "user", "assistant")
+# per-request override -> (accepted python types, the type's name in errors); bool is never a number
+OVERRIDE_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "temperature": ((int, float), "a number"),
+    "top_p": ((int, float), "a number"),
+    "top_k": ((int,), "an integer"),
+    "max_tokens": ((int,), "an integer"),
+    "ignore_eos": ((bool,), "true or false"),
+    "seed": ((int, type(None)), "an integer or null"),
+    "stop": ((str, list, type(None)), "a string, a list of strings or null"),
+    "stop_token_ids": ((list, type(None)), "a list of integers or null"),
+    "min_tokens": ((int,), "an integer"),
+    "include_stop_str_in_output": ((bool,), "true or false"),
+    "logprobs": ((int, type(None)), "an integer or null"),
+    "prompt_logprobs": ((int, type(None)), "an integer or null"),
+    "min_p": ((int, float), "a number"),
+    "repetition_penalty": ((int, float), "a number"),
+    "presence_penalty": ((int, float), "a number"),
+    "frequency_penalty": ((int, float), "a number"),
+}
+REQUEST_KEYS = ("chat_template_kwargs",)  # per-request keys that are neither the prompt nor sampling
+NO_TOKENIZER_ERROR = "prompt text given but the checkpoint has no tokenizer; pass prompt_token_ids"
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _check_override(key: str, value: Any) -> str | None:
+    types, name = OVERRIDE_TYPES[key]
+    is_bool_for_number = isinstance(value, bool) and bool not in types
+    if is_bool_for_number or not isinstance(value, types):
+        return f"{key!r} must be {name}, got {_type_name(value)}"
+    return None
+
+
+def _lone_surrogate(text: str) -> str | None:
+    """Where `text` can't be UTF-8 (a lone surrogate such as JSON's "\\ud800"), or None: such text can
+    neither be tokenized nor written to outputs.jsonl."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"lone surrogate U+{ord(text[e.start]):04X} at character {e.start}"
+    return None
+
+
+def _problem(obj: Any) -> str | None:
+    """Why a parsed request object can't run (one line), or None when it is well formed."""
+    if not isinstance(obj, dict):
+        return f"expected a JSON object, got {_type_name(obj)}"
+    unknown = [k for k in obj if k not in PROMPT_KEYS and k not in OVERRIDE_TYPES and k not in REQUEST_KEYS]
+    if unknown:
+        allowed = ', '.join((*PROMPT_KEYS, *OVERRIDE_TYPES, *REQUEST_KEYS))
+        return f"unknown key {_short(repr(unknown[0]))} (allowed: {allowed})"
+    if sum(k in obj for k in PROMPT_KEYS) != 1:
+        return "give exactly one of 'prompt', 'prompt_token_ids' or 'messages'"
+    if "messages" in obj:
+        problem = _messages_problem(obj["messages"])
+        if problem:
+            return problem
+    kwargs = obj.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        return f"'chat_template_kwargs' must be a JSON object, got {_type_name(kwargs)}"
+    if "prompt" in obj and not isinstance(obj["prompt"], str):
+        return f"'prompt' must be a string, got {_type_name(obj['prompt'])}"
+    if "prompt" in obj and _lone_surrogate(obj["prompt"]) is not None:
+        return f"'prompt' is not valid Unicode: {_lone_surrogate(obj['prompt'])}"
+    if "prompt_token_ids" in obj and not _is_token_ids(obj["prompt_token_ids"]):
+        return "'prompt_token_ids' must be a list of integers"
+    if obj.get("prompt") == "" or obj.get("prompt_token_ids") == []:
+        return "prompt is empty"
+    for key in OVERRIDE_TYPES:
+        error = _check_override(key, obj[key]) if key in obj else None
+        if error:
+            return error
+    return None
+
+
+def _messages_problem(messages: Any) -> str | None:
+    """Why a `messages` value is not a chat (a non-empty list of {role, content} turns), or None."""
+    if not isinstance(messages, list) or not messages:
+        return "'messages' must be a non-empty list of {\"role\": ..., \"content\": ...} objects"
+    for i, turn in enumerate(messages):
+        if not isinstance(turn, dict):
+            return f"messages[{i}] must be an object, got {_type_name(turn)}"
+        extra = [k for k in turn if k not in ("role", "content")]
+        if extra:
+            return f"messages[{i}] has unknown key {_short(repr(extra[0]))} (allowed: role, content)"
+        if turn.get("role") not in CHAT_ROLES:
+            return f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {_short(repr(turn.get('role')))}"
+        if not isinstance(turn.get("content"), str):
+            return f"messages[{i}].content must be a string, got {_type_name(turn.get('content'))}"
+        if _lone_surrogate(turn["content"]) is not None:
+            return f"messages[{i}].content is not valid Unicode: {_lone_surrogate(turn['content'])}"
+    return None
+
+
+def _request_from_object(obj: Any, index: int, where: str) -> PromptRequest:
+    """A request from one parsed object; a problem becomes `error` prefixed with `where`, never an exception."""
+    from spmd_engine.job.openai_batch import is_batch_line, translate
+
+    custom_id = api = None
+    if is_batch_line(obj):  # the OpenAI batch format: its body in our keys, then the same checks
+        obj, custom_id, api, problem = translate(obj)
+        if problem:
+            return PromptRequest(index, None, None, {}, f"{where}: {problem}", custom_id=custom_id, api=api)
+    problem = _problem(obj)
+    if problem:
+        return PromptRequest(index, None, None, {}, f"{where}: {problem}", custom_id=custom_id, api=api)
+    overrides = {k: v for k, v in obj.items() if k in OVERRIDE_TYPES}
+    return PromptRequest(index, obj.get("prompt"), obj.get("prompt_token_ids"), overrides,
+                         messages=obj.get("messages"), chat_template_kwargs=obj.get("chat_template_kwargs"),
+                         custom_id=custom_id, api=api)
+
+
+def _parse_line(text: str, index: int, where: str) -> PromptRequest:
+    """One prompts_file line as a request; never raises, whatever the line holds (depth, size, values)."""
+    try:
+        return _request_from_object(json.loads(text), index, where)
+    except json.JSONDecodeError as e:
+        problem = f"invalid JSON ({e.msg} at column {e.colno})"
+    except RecursionError:
+        problem = "invalid JSON (nested too deeply to read)"
+    except ValueError as e:  # e.g. an integer of more than 4300 digits
+        problem = f"invalid JSON value ({_short(str(e).splitlines()[0] if str(e) else type(e).__name__, 120)})"
+    except Exception as e:  # whatever else a line can hold: this request fails, the job goes on
+        problem = f"could not be read ({type(e).__name__})"
+    return PromptRequest(index, None, None, {}, f"{where}: {problem}")
+
+
+def _read_jsonl(path: Path) -> list[PromptRequest]:
+    """One request per non-blank line, each line decoded and parsed on its own: no line can fail another.
+
+    Lines end at LF, CRLF or CR (never at U+2028 or U+0085, which JSON strings may hold); a UTF-8
+    byte order mark at the start of the file is skipped; blank lines are skipped (not requests).
+    """
+    data = path.read_bytes()
+    if data.startswith(codecs.BOM_UTF8):
+        data = data[len(codecs.BOM_UTF8):]
+    requests: list[PromptRequest] = []
+    for line_no, raw in enumerate(data.splitlines(), start=1):
+        where = f"prompts_file line {line_no}"
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            requests.append(PromptRequest(len(requests), None, None, {},
+                                          f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1}); "
+                                          "save the file as UTF-8"))
+            continue
+        if text.strip():
+            requests.append(_parse_line(text, len(requests), where))
+    return requests
+
+
+def read_prompts(prompts: Sequence[Any] | str | None, prompts_file: str | None) -> list[PromptRequest]:
+    """Requests from `prompts` (CLI strings, or token-id lists) or `prompts_file` (JSONL); neither: DEFAULT_PROMPTS.
+
+    Raises ValueError only for job-level mistakes (both given, empty list, missing file).
+    """
+    if prompts is not None and prompts_file is not None:
+        raise ValueError("prompts and prompts_file are both set; give only one")
+    if prompts_file is not None:
+        path = Path(prompts_file).expanduser()
+        if not path.is_file():
+            raise ValueError(f"prompts_file={prompts_file!r}: no such file")
+        return _read_jsonl(path)
+    if prompts is None:
+        prompts = DEFAULT_PROMPTS
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if len(prompts) == 0:
+        raise ValueError("prompts is an empty list; give at least one prompt (or unset it for the built-in ones)")
+    requests = []
+    for index, item in enumerate(prompts):
+        is_ids = isinstance(item, Sequence) and not isinstance(item, str)
+        obj = {"prompt_token_ids": list(item)} if is_ids else {"prompt": item}
+        requests.append(_request_from_object(obj, index, f"prompts[{index}]"))
+    return requests
+
+
+def load_tokenizer(model_dir: str | os.PathLike | None):
+    """The checkpoint's HF tokenizer, or None when it ships no tokenizer files."""
+    from spmd_engine.models.checkpoint import has_tokenizer
+
+    if model_dir is None or not has_tokenizer(model_dir):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def _encode(prompt: str, tokenizer, chat_template: bool) -> list[int]:
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+        return list(tokenizer.encode(text, add_special_tokens=False))  # the template holds the specials
+    return list(tokenizer.encode(prompt))
+
+
+def _render_chat(request: PromptRequest, tokenizer, job_kwargs: dict[str, Any] | None) -> str:
+    """The request's `messages` through the tokenizer's chat template, with the generation prompt;
+    the job's `chat_template_kwargs` under the line's own."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the tokenizer has no chat template; give 'prompt' instead of 'messages'")
+    kwargs = {**(job_kwargs or {}), **(request.chat_template_kwargs or {})}
+    return tokenizer.apply_chat_template(request.messages, tokenize=False, add_generation_prompt=True, **kwargs)
+
+
+def tokenize(requests: list[PromptRequest], tokenizer, chat_template: bool,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[PromptRequest]:
+    """Fill `prompt_token_ids` of text requests in place (chat template: one user turn + generation prompt).
+
+    A `messages` request is rendered by the chat template first (its `prompt` becomes the rendered
+    text); a template error is that request's error. Requests that already have ids or an error are
+    left alone; returns `requests` for chaining.
+    """
+    for request in requests:
+        if request.error is not None or request.prompt_token_ids is not None:
+            continue
+        if tokenizer is None:
+            request.error = NO_TOKENIZER_ERROR
+        elif request.messages is not None:
+            try:
+                request.prompt = _render_chat(request, tokenizer, chat_template_kwargs)
+                request.prompt_token_ids = list(tokenizer.encode(request.prompt, add_special_tokens=False))
+            except Exception as exc:  # a template that raises (jinja's raise_exception, bad kwargs): one row
+                detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                request.error = f"messages could not be rendered by the chat template ({type(exc).__name__}" \
+                                f"{': ' if detail else ''}{_short(detail, 160)})"
+        else:
+            try:
+                request.prompt_token_ids = _encode(request.prompt, tokenizer, chat_template)
+            except Exception as exc:  # a tokenizer bug on one odd text fails that request, not the job
+                detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                request.error = f"prompt could not be tokenized ({type(exc).__name__}{': ' if detail else ''}" \
+                                f"{_short(detail, 120)})"
+    return requests

@@ -1,0 +1,198 @@
+"""The public Python API, shaped like vLLM's: `LLM(model=...)`, `generate`, `chat`, `SamplingParams`.
+
+Why: users already know vLLM's offline API, and a library call should not need a Hydra command
+line. The config is composed from the same `conf/` that `run.py` uses (Hydra's compose API), so
+defaults have one source and a bad keyword fails with the same one-line error as a bad CLI key.
+Under torchrun/srun every rank builds the same LLM and makes the same calls: rank 0 tokenizes and
+plans, every rank runs the forward, and the outputs are broadcast so every rank returns them.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Union
+
+from spmd_engine.config import ConfigError, engine_config_from_dict, startup_settings
+from spmd_engine.core.requests import PromptRequest, RequestOutput
+from spmd_engine.core.sequence import SamplingParams
+from spmd_engine.distributed import (RankInfo, broadcast_object, destroy_process_group, discover_ranks,
+                                     init_process_group, is_distributed)
+from spmd_engine.engine import Engine, agreed
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+Prompt = Union[str, dict[str, Any]]  # "text", {"prompt": "text"} or {"prompt_token_ids": [...]}
+Message = dict[str, str]  # {"role": "user", "content": "..."}
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a request (vLLM's `outputs[0]`)."""
+
+    index: int
+    text: str | None  # None without a tokenizer, or for an error
+    token_ids: list[int]
+    finish_reason: str  # stop | length | error
+    error: str | None = None  # the one-line reason a request could not run (finish_reason "error")
+
+
+@dataclass
+class GenerationOutput:
+    """One request's result: its prompt and its completions (vLLM's RequestOutput)."""
+
+    request_id: int  # position in the generate call's prompt list
+    prompt: str | None
+    prompt_token_ids: list[int] | None
+    outputs: list[CompletionOutput]
+
+    @classmethod
+    def from_engine(cls, out: RequestOutput) -> GenerationOutput:
+        return cls(out.index, out.prompt, out.prompt_token_ids,
+                   [CompletionOutput(0, out.text, list(out.token_ids), out.finish_reason, out.error)])
+
+
+def compose_config(model: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    """conf/ composed for `model` (a conf/model group name, else a checkpoint dir or hub id), with
+    engine keys replaced by `overrides`; a plain dict, checked later by engine_config_from_dict."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    group = model if (CONF_DIR / "model" / f"{model}.yaml").is_file() else None
+    hydra_overrides = [f"model={group}"] if group else []
+    if GlobalHydra.instance().is_initialized():  # inside a Hydra app: its search path is this conf/
+        cfg = compose(config_name="config", overrides=hydra_overrides)
+    else:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=hydra_overrides)
+    raw = OmegaConf.to_container(cfg, resolve=True)
+    if group is None:
+        raw["model"]["path"] = model
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(raw.get(key), dict):
+            raw[key] = {**raw[key], **value}  # e.g. sampling={"max_tokens": 8}
+        else:
+            raw[key] = value  # unknown keys stay: the config check names them
+    return raw
+
+
+class LLM:
+    """An offline engine: `LLM(model="smollm2", block_size=32).generate(prompts, SamplingParams(...))`.
+
+    `model` is a conf/model group name (`smollm2`, `qwen3`, ...) or a checkpoint directory / hub id;
+    every other keyword is an engine key of conf/config.yaml (`block_size`, `gpu_memory_utilization`,
+    `enforce_eager`, `device`, `sampling={...}`, ...). Collective: every rank constructs it the same.
+    """
+
+    def __init__(self, model: str = "smollm2", **engine_keys: Any) -> None:
+        raw = compose_config(model, engine_keys)
+        ranks = discover_ranks()
+        startup = startup_settings(raw)
+        self._owns_group = ranks.world_size > 1 and not is_distributed()  # torchrun/srun: this LLM makes it
+        init_process_group(ranks, startup.device != "cpu" and _cuda_available(), startup.timeout_s,
+                           startup.rendezvous_timeout_s)
+        cfg = agreed(lambda: engine_config_from_dict(raw))
+        self._init(Engine(cfg, ranks))
+
+    @classmethod
+    def from_engine(cls, engine: Engine) -> LLM:
+        """Wrap an engine built elsewhere (the Hydra job builds its own, with its supervisor)."""
+        llm = cls.__new__(cls)
+        llm._owns_group = False
+        llm._init(engine)
+        return llm
+
+    def _init(self, engine: Engine) -> None:
+        from spmd_engine.job.prompts import load_tokenizer
+
+        self.engine = engine
+        self.ranks: RankInfo = engine.ranks
+        tokenizer_dir = engine.source.tokenizer_dir
+        self.tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir and engine.ranks.is_first else None
+
+    def generate(self, prompts: Prompt | list[Prompt],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[GenerationOutput]:
+        """Complete each prompt (text as given, no chat template); one output per prompt, in order.
+
+        `sampling_params`: one for all prompts, one per prompt, or None for conf's `sampling` defaults.
+        A request that cannot run (empty, too long, ids outside the vocabulary, bad sampling values)
+        comes back with finish_reason "error" and a one-line `error`; the others still run.
+        """
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        requests = [self._request(i, p, _params_at(sampling_params, i, len(prompts))) for i, p in enumerate(prompts)]
+        return self._run(requests, use_tqdm)
+
+    def chat(self, messages: list[Message] | list[list[Message]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = False) -> list[GenerationOutput]:
+        """Like `generate`, for conversations: each one rendered by the tokenizer's chat template
+        with the assistant's generation prompt appended."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        requests = []
+        for i, conversation in enumerate(conversations):
+            params = _params_at(sampling_params, i, len(conversations))
+            requests.append(self._chat_request(i, conversation, params))
+        return self._run(requests, use_tqdm)
+
+    def close(self) -> None:
+        """Free the model, the KV cache and the CUDA graphs, and the process group if this LLM made it
+        (collective: a process that exits with a live gloo/NCCL group may abort at interpreter exit)."""
+        self.engine.close()
+        if self._owns_group:
+            destroy_process_group()
+            self._owns_group = False
+
+    # --- rank 0 builds the requests; every rank runs them ------------------------------------
+    def _request(self, index: int, prompt: Prompt, params: SamplingParams | None) -> PromptRequest:
+        request = PromptRequest(index, None, None, _overrides(params))
+        if not self.ranks.is_first:
+            return request  # only rank 0's requests are read
+        if isinstance(prompt, dict) and prompt.get("prompt_token_ids") is not None:
+            request.prompt, request.prompt_token_ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            return request
+        request.prompt = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+        if not isinstance(request.prompt, str):
+            request.error = "a prompt is a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}"
+        elif self.tokenizer is None:
+            request.error = "prompt text given but the checkpoint has no tokenizer; pass prompt_token_ids"
+        else:
+            request.prompt_token_ids = list(self.tokenizer.encode(request.prompt))
+        return request
+
+    def _chat_request(self, index: int, conversation: list[Message], params: SamplingParams | None) -> PromptRequest:
+        request = PromptRequest(index, None, None, _overrides(params))
+        if not self.ranks.is_first:
+            return request
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            request.error = "chat needs a tokenizer with a chat template"
+            return request
+        request.prompt = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        # the rendered template holds the special tokens already
+        request.prompt_token_ids = list(self.tokenizer.encode(request.prompt, add_special_tokens=False))
+        return request
+
+    def _run(self, requests: list[PromptRequest], use_tqdm: bool) -> list[GenerationOutput]:
+        decode = (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)) if self.tokenizer else None
+        outputs = self.engine.generate(requests if self.ranks.is_first else [], decode=decode, progress=use_tqdm)
+        results = [GenerationOutput.from_engine(out) for out in outputs]
+        return broadcast_object(results)  # every rank returns rank 0's outputs
+
+
+def _overrides(params: SamplingParams | None) -> dict[str, Any]:
+    """A request's sampling as the engine takes it: every field of `params`, or none (conf's defaults)."""
+    return dataclasses.asdict(params) if params is not None else {}
+
+
+def _params_at(params: SamplingParams | list[SamplingParams] | None, index: int, count: int) -> SamplingParams | None:
+    if not isinstance(params, list):
+        return params
+    if len(params) != count:
+        raise ConfigError(f"sampling_params has {len(params)} entries for {count} prompts")
+    return params[index]
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

@@ -1,0 +1,62 @@
+"""The public Python API (README, "Python API"): the README's example as written, on the embedded
+SmolLM2, and every rank of a 2-rank torchrun getting the same outputs back."""
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import pytest
+
+from spmd_engine.config import ConfigError
+from tests.helpers.run_engine import REPO, _run_all, engine_env
+from tests.helpers.tiny_checkpoints import make_tiny_checkpoint
+
+
+def readme_api_example() -> str:
+    """The first ```python block of the README's "Python API" section."""
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## Python API"):]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_readme_api_example_runs_on_cpu(smollm2_dir, capsys):
+    source = readme_api_example()
+    assert 'LLM(model="smollm2")' in source and "llm.chat(" in source and "llm.generate(" in source
+    scope: dict = {}
+    exec(compile(source.replace("max_tokens=64", "max_tokens=4"), "README.md", "exec"), scope)
+    outs, chats = scope["outs"], scope["chats"]
+    assert [o.prompt for o in outs] == ["Hello", None]
+    assert outs[1].prompt_token_ids == [1, 2, 3] and outs[0].prompt_token_ids  # the text was tokenized
+    for out in outs:
+        completion = out.outputs[0]
+        assert len(completion.token_ids) == 4 and completion.finish_reason == "length", completion
+        assert isinstance(completion.text, str) and completion.text
+    reply = chats[0].outputs[0]  # the sampling.* defaults: SmolLM2 says hello and stops
+    assert reply.finish_reason == "stop" and reply.text.strip(), reply
+    assert chats[0].prompt.rstrip().endswith("assistant")  # the chat template, with the generation prompt
+    scope["llm"].close()
+
+
+def test_unknown_engine_keyword_is_one_line_with_its_near_miss():
+    from spmd_engine import LLM
+
+    with pytest.raises(ConfigError, match="block_sise.*did you mean block_size"):
+        LLM(model="smollm2", block_sise=16)
+
+
+def test_every_rank_returns_the_same_outputs(tmp_path):
+    checkpoint = make_tiny_checkpoint(tmp_path / "tiny", arch="qwen3", max_position_embeddings=64)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(REPO / "tests" / "helpers" / "api_ranks.py"), str(checkpoint), str(out_dir)]
+    [run] = _run_all([(cmd, engine_env())], tmp_path, timeout_s=240)
+    run.check()
+    rank0, rank1 = (json.loads((out_dir / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert rank0 == rank1
+    assert [o["prompt"] for o in rank0] == ["hello", None, None]
+    ok, error = rank0[1]["outputs"][0], rank0[2]["outputs"][0]
+    assert len(ok["token_ids"]) == 6 and ok["finish_reason"] == "length" and isinstance(ok["text"], str)
+    assert rank0[0]["prompt_token_ids"] and rank0[0]["outputs"][0]["text"] is not None
+    assert error["finish_reason"] == "error" and error["error"] == "prompt is empty"

@@ -1,0 +1,97 @@
+"""The package layout's rules, checked on the source: which package may import which, no import
+cycles, and every package folder installed under the spmd_engine namespace."""
+from __future__ import annotations
+
+import ast
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+# package -> the spmd_engine packages it must never import (docs/ARCHITECTURE.md, "Packages")
+FORBIDDEN = {
+    "spmd_engine.core": ("spmd_engine.executor", "spmd_engine.job", "spmd_engine.engine", "spmd_engine.api",
+                         "spmd_engine.faults", "spmd_engine.telemetry", "spmd_engine.models", "spmd_engine.kernels"),
+    "spmd_engine.executor": ("spmd_engine.job", "spmd_engine.engine", "spmd_engine.api"),
+    "spmd_engine.engine": ("spmd_engine.job", "spmd_engine.api"),
+    "spmd_engine.telemetry": ("spmd_engine.core", "spmd_engine.executor", "spmd_engine.job", "spmd_engine.engine"),
+    "spmd_engine.models": ("spmd_engine.core", "spmd_engine.executor", "spmd_engine.job", "spmd_engine.engine",
+                           "spmd_engine.faults", "spmd_engine.telemetry", "spmd_engine.config",
+                           "spmd_engine.distributed", "spmd_engine.api"),
+    "spmd_engine.kernels": ("spmd_engine.",),  # a leaf: torch and triton only
+}
+FOLDERS = {"spmd_engine": REPO / "spmd_engine", "spmd_engine.models": REPO / "models",
+           "spmd_engine.kernels": REPO / "kernels"}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package, folder in FOLDERS.items():
+        for path in folder.rglob("*.py"):
+            parts = path.relative_to(folder).with_suffix("").parts
+            found[".".join((package, *parts)).removesuffix(".__init__")] = path
+    return found
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """Absolute names of the modules `path` imports (anywhere in the file, lazy ones included)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            module = ".".join([*base, node.module] if node.module else base)
+            out.add(module)
+            out.update(f"{module}.{alias.name}" for alias in node.names)
+    return out
+
+
+MODULES = _modules()
+GRAPH = {name: {m for m in _imports(name, path) if m in MODULES and m != name} for name, path in MODULES.items()}
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_packages_import_only_downwards(package):
+    bad = [f"{name} imports {target}" for name, targets in GRAPH.items()
+           if name == package or name.startswith(package + ".")
+           for target in targets if not target.startswith(package + ".")
+           and any(target == f or target.startswith(f if f.endswith(".") else f + ".") for f in FORBIDDEN[package])]
+    assert not bad, bad
+
+
+def test_no_import_cycles_between_modules():
+    # a module imports its package's __init__ implicitly; only edges between real modules count
+    graph = {name: {t for t in targets if not name.startswith(t + ".")} for name, targets in GRAPH.items()}
+    state: dict[str, int] = {}
+
+    def visit(name: str, trail: list[str]) -> None:
+        state[name] = 1
+        for target in sorted(graph[name]):
+            assert state.get(target) != 1, " -> ".join([*trail[trail.index(target):], target]) \
+                if target in trail else f"{name} -> {target}"
+            if target not in state:
+                visit(target, [*trail, target])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+
+
+def test_models_and_kernels_are_imported_by_one_name():
+    """`import models` from the repository root would load a second copy of every module."""
+    pattern = re.compile(r"^\s*(from|import) (models|kernels)\b", re.M)
+    sources = [*MODULES.values(), *(REPO / "tests").rglob("*.py"), *(REPO / "launch").glob("*.py"), REPO / "run.py"]
+    bad = [str(p.relative_to(REPO)) for p in sources if pattern.search(p.read_text())]
+    assert not bad, bad
+
+
+def test_every_package_folder_is_installed_under_spmd_engine():
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert setuptools["package-dir"] == {name: str(folder.relative_to(REPO)) for name, folder in FOLDERS.items()}
+    folders = {name for name, path in MODULES.items() if path.name == "__init__.py"}
+    assert set(setuptools["packages"]) == folders
