@@ -9,7 +9,7 @@ import torch
 
 from spmd_engine.config import engine_config_from_dict
 from spmd_engine.distributed import RankInfo
-from spmd_engine.engine import LLM
+from spmd_engine.engine import Engine
 from spmd_engine.executor.logits_processors import apply_penalties_and_min_p
 from spmd_engine.job.prompts import PromptRequest
 from spmd_engine.core.sequence import SamplingParams, Sequence
@@ -80,7 +80,7 @@ def test_greedy_with_penalties_equals_a_step_by_step_reference(tiny, async_sched
     raw = {"model": {"name": "t", "path": str(tiny), "load_format": "auto", "hf_config": {}},
            "workload": {"name": "chat"}, "sampling": {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True},
            "device": "cpu", "dtype": "float32", "num_kv_blocks": 64, "async_scheduling": async_scheduling}
-    llm = LLM(engine_config_from_dict(raw), SINGLE)
+    llm = Engine(engine_config_from_dict(raw), SINGLE)
     try:
         [out, plain] = llm.generate([PromptRequest(0, None, prompt, overrides), PromptRequest(1, None, prompt)])
     finally:

@@ -9,7 +9,7 @@ import torch
 
 from spmd_engine.config import engine_config_from_dict
 from spmd_engine.distributed import RankInfo
-from spmd_engine.engine import LLM
+from spmd_engine.engine import Engine
 from spmd_engine.executor.logprobs import prompt_logit_rows
 from spmd_engine.job.prompts import PromptRequest
 from tests.helpers.tiny_checkpoints import make_tiny_checkpoint
@@ -24,11 +24,11 @@ def tiny(tmp_path_factory) -> Path:
                                 tokenizer=False)
 
 
-def _llm(path: Path, **engine) -> LLM:
+def _llm(path: Path, **engine) -> Engine:
     raw = {"model": {"name": "t", "path": str(path), "load_format": "auto", "hf_config": {}},
            "workload": {"name": "chat"}, "sampling": {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True},
            "device": "cpu", "dtype": "float32", "num_kv_blocks": 64, "block_size": 4, **engine}
-    return LLM(engine_config_from_dict(raw), SINGLE)
+    return Engine(engine_config_from_dict(raw), SINGLE)
 
 
 def _hf_logprobs(path: Path, ids: list[int]) -> torch.Tensor:

@@ -9,7 +9,7 @@ import pytest
 from spmd_engine.config import engine_config_from_dict
 from spmd_engine.core.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from spmd_engine.distributed import RankInfo
-from spmd_engine.engine import LLM
+from spmd_engine.engine import Engine
 from spmd_engine.job.prompts import PromptRequest, load_tokenizer
 from spmd_engine.core.sequence import SamplingParams
 from tests.helpers.tiny_checkpoints import make_tiny_checkpoint
@@ -18,11 +18,11 @@ SINGLE = RankInfo(0, 1, 0, "127.0.0.1", 0, "single")
 TEXT = "Paris is the capital of France. Größe: 10 °C — naïve café 😀 ok\n\n  spaced  out"
 
 
-def _llm(path: Path, max_tokens: int, **engine) -> LLM:
+def _llm(path: Path, max_tokens: int, **engine) -> Engine:
     raw = {"model": {"name": "t", "path": str(path), "load_format": "auto", "hf_config": {}},
            "workload": {"name": "chat"}, "sampling": {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True},
            "device": "cpu", "dtype": "float32", "num_kv_blocks": 64, "max_model_len": 256, **engine}
-    return LLM(engine_config_from_dict(raw), SINGLE)
+    return Engine(engine_config_from_dict(raw), SINGLE)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def test_sampling_params_validate_the_stop_keys():
             SamplingParams.from_dict(bad)
 
 
-def _stop_string_case(llm: LLM, prompt: list[int], decode, max_tokens: int, pick) -> None:
+def _stop_string_case(llm: Engine, prompt: list[int], decode, max_tokens: int, pick) -> None:
     """Generate freely, take a stop string `pick` chooses from the output's pieces, generate again with it."""
     [free] = llm.generate([PromptRequest(0, None, prompt)], decode=decode)
     assert free.finish_reason == "length" and len(free.token_ids) == max_tokens
