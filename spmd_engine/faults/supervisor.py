@@ -58,6 +58,7 @@ class Supervisor:
         self.watchdog: Watchdog | None = None
         self.signals: SignalThread | None = None
         self._exit = exit_fn
+        self._leaving_code: int | None = None  # set once every rank agreed to exit with this code
         self._lock = threading.Lock()
         self._stopping = False
         self._exit_hooks: list[Callable[[], None]] = []
@@ -118,7 +119,16 @@ class Supervisor:
             traceback.print_exception(exc, file=sys.stderr)
         self._stop(self._entry(kind, where, _describe(exc)), EXIT_FAULT)
 
+    def leaving(self, code: int) -> None:
+        """Every rank agreed to exit with `code` (a user error): a stop signal from now on means the
+        launcher is ending the ranks that have not left yet (torchrun SIGTERMs the others as soon as
+        one rank exits), so it exits with the same code instead of reporting a signal."""
+        self._leaving_code = code
+
     def on_signal(self, signum: int) -> None:
+        if self._leaving_code is not None:
+            self._exit(self._leaving_code)
+            return
         name = signal.Signals(signum).name
         self._stop(self._entry(SIGNAL, self._main_location(), name), 128 + signum)
 

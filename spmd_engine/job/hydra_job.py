@@ -75,7 +75,8 @@ def run_job(raw_cfg: dict[str, Any], overrides: list[str], ranks: RankInfo, outp
             write_error_file(error_line(str(exc)))  # torchrun's summary: every rank's entry says why
         if not multirun:
             _write(metrics, raw_cfg, ranks, None if refused else output_dir, started)
-            _leave_together(ranks)
+            supervisor.leaving(EXIT_USER_ERROR)
+            all_reduce_min(0)  # every rank agreed on this error: leave together, after rank 0 wrote its files
             raise SystemExit(EXIT_USER_ERROR)
     except Exception as exc:
         if ranks.world_size > 1:
@@ -89,18 +90,6 @@ def run_job(raw_cfg: dict[str, Any], overrides: list[str], ranks: RankInfo, outp
             run_dir_lock.release()
     _write(metrics, raw_cfg, ranks, None if refused else output_dir, started)
     return metrics if ranks.is_first else None
-
-
-LEAVE_GRACE_S = 2.0
-
-
-def _leave_together(ranks: RankInfo) -> None:
-    """Every rank agreed on a user error: leave together, after rank 0 wrote its files. Rank 0 leaves
-    last, a moment later: torchrun SIGTERMs the ranks still running once one has exited, which would
-    turn their exit code 2 into -15 in its summary (rank 0's exit is the root cause it reports)."""
-    all_reduce_min(0)
-    if ranks.is_first and ranks.world_size > 1:
-        time.sleep(LEAVE_GRACE_S)
 
 
 def _start_checks(cfg: EngineConfig, output_dir: Path | None, refused: list[str]) -> RunDirLock | None:

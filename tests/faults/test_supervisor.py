@@ -86,3 +86,13 @@ def test_losing_the_store_while_idle_is_a_normal_end():
     r1.progress.idle()  # the stop plan came; rank 0 (the store's host) may exit first
     r1.on_board_lost(ConnectionResetError("gone"))
     assert codes[1] == []
+
+
+def test_a_stop_signal_while_leaving_on_an_agreed_user_error_keeps_its_exit_code(capsys):
+    """torchrun SIGTERMs the ranks still running once one rank has exited: a rank already leaving with
+    the agreed code 2 must not turn into a signal report (exit 143) in torchrun's summary."""
+    sup = Supervisor(RankInfo(1, 2, 1, "127.0.0.1", 0, "torchrun"), exit_fn=(codes := []).append)
+    sup.leaving(2)
+    sup.on_signal(signal.SIGTERM)
+    assert codes == [2]
+    assert "SIGTERM" not in capsys.readouterr().err
