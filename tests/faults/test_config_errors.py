@@ -47,14 +47,18 @@ def test_config_errors_are_agreed_by_every_rank(fault_ckpt: Path, tmp_path: Path
     finish(list(launches.values()), timeout_s=150)
 
     for name, (_, _, words) in cases.items():
-        launch = launches[name]
-        rank0, rank1 = launch.procs
-        assert launch.returncodes == [2, 2], launch.describe()
-        lines = rank0.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("error: ") and all(w in lines[0] for w in words), \
-            (name, lines)
-        assert rank1.stderr.strip() == "" and "Traceback" not in rank0.stdout + rank1.stdout, launch.describe()
-        assert "loaded" not in rank0.stdout, launch.describe()  # stopped before the weights
+        _one_line_on_rank0_before_the_weights(launches[name], name, words)
+
+
+def _one_line_on_rank0_before_the_weights(launch, name: str, words: list[str]) -> str:
+    """Both ranks exit 2, rank 0 says one line holding `words`, rank 1 nothing, no weights loaded."""
+    rank0, rank1 = launch.procs
+    assert launch.returncodes == [2, 2], launch.describe()
+    lines = rank0.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and all(w in lines[0] for w in words), (name, lines)
+    assert rank1.stderr.strip() == "" and "Traceback" not in rank0.stdout + rank1.stdout, launch.describe()
+    assert "loaded" not in rank0.stdout, launch.describe()  # stopped before the weights
+    return lines[0]
 
 
 def test_bad_command_line_values_end_every_rank_before_the_weights(fault_ckpt: Path, tmp_path: Path):
@@ -74,15 +78,8 @@ def test_bad_command_line_values_end_every_rank_before_the_weights(fault_ckpt: P
     finish(list(launches.values()), timeout_s=120)
 
     for name, (_, words) in cases.items():
-        launch = launches[name]
-        rank0, rank1 = launch.procs
-        assert launch.returncodes == [2, 2], launch.describe()
-        lines = rank0.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("error: ") and all(w in lines[0] for w in words), \
-            (name, lines)
-        assert "__init__" not in lines[0] and "keyword argument" not in lines[0], lines
-        assert rank1.stderr.strip() == "" and "Traceback" not in rank0.stdout + rank1.stdout, launch.describe()
-        assert "loaded" not in rank0.stdout, launch.describe()  # stopped before the weights
+        line = _one_line_on_rank0_before_the_weights(launches[name], name, words)
+        assert "__init__" not in line and "keyword argument" not in line, line
         metrics = json.loads((tmp_path / name / "metrics.json").read_text())
         assert metrics["status"] == "failed" and all(w in metrics["error"] for w in words), metrics
         assert not (tmp_path / name / "outputs.jsonl").exists()
