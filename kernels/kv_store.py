@@ -28,9 +28,11 @@ def _round_to_e4m3(x):
     # normal range: keep 3 of float32's 23 mantissa bits (a carry may bump the exponent, as it should)
     rounded = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # -1048576 == ~0xFFFFF
     normal = rounded.to(tl.float32, bitcast=True)
-    # subnormal range: a multiple of 2**-9, rounded by float32 addition itself; the sign kept apart (-0)
+    # subnormal range: a multiple of 2**-9, rounded by float32 addition itself; the sign bit copied back
+    # (on an H200, `where(bits < 0, -m, m)` wrote +0 for negative values that round to zero; torch writes 0x80)
     magnitude = (tl.abs(x) + _E4M3_SUBNORMAL_ROUNDER) - _E4M3_SUBNORMAL_ROUNDER
-    subnormal = tl.where(bits < 0, -magnitude, magnitude)
+    sign = (bits >> 31) << 31
+    subnormal = (magnitude.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
     return tl.where(tl.abs(x) < _E4M3_MIN_NORMAL, subnormal, normal)
 
 
