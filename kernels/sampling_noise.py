@@ -221,6 +221,32 @@ def _float_key(z):
 
 
 @triton.jit
+def _race_above(base, temp, a, b, vocab, lanes, lo, INCLUSIVE: tl.constexpr, BLOCK: tl.constexpr,
+                MUL1: tl.constexpr, MUL2: tl.constexpr, CMUL: tl.constexpr):
+    """One row's race (the lowest column on ties) over the tokens whose key is > lo (>= lo if
+    INCLUSIVE), with the noise lanes (a, b): a rejection round's redraw and the fallback's draw."""
+    best = tl.full((), float("-inf"), tl.float32)
+    cand = tl.full((), 0, tl.int64)
+    for start in range(0, vocab, BLOCK):
+        cols = start + lanes
+        mask = cols < vocab
+        z = tl.div_rn(tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32), temp)
+        score = z + _gumbel_from_hash(_column_hash(a, b, cols, MUL1, MUL2, CMUL))
+        key = _float_key(z).to(tl.int64)
+        if INCLUSIVE:
+            allowed = key >= lo
+        else:
+            allowed = key > lo
+        score = tl.where(mask & allowed, score, float("-inf"))
+        block_best = tl.max(score, axis=0)
+        block_col = tl.min(tl.where(score == block_best, cols, vocab), axis=0).to(tl.int64)
+        better = block_best > best
+        cand = tl.where(better, block_col, cand)
+        best = tl.where(better, block_best, best)
+    return cand
+
+
+@triton.jit
 def _nucleus_kernel(logits, temps, top_ps, seeds, counters, out, vocab, stride_row,
                     race_scores, race_cols, race_max, num_chunks,
                     ROUNDS: tl.constexpr, BLOCK: tl.constexpr, MUL1: tl.constexpr, MUL2: tl.constexpr,
@@ -265,19 +291,7 @@ def _nucleus_kernel(logits, temps, top_ps, seeds, counters, out, vocab, stride_r
     for rnd in range(1, ROUNDS):
         if done == 0:
             a, b = _row_keys(seed, counter, (tl.zeros((), tl.int32) + rnd).to(tl.uint32), MUL1, MUL2, A0, B0)
-            best = tl.full((), float("-inf"), tl.float32)
-            cand = tl.full((), 0, tl.int64)
-            for start in range(0, vocab, BLOCK):
-                cols = start + lanes
-                mask = cols < vocab
-                z = tl.div_rn(tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32), temp)
-                score = z + _gumbel_from_hash(_column_hash(a, b, cols, MUL1, MUL2, CMUL))
-                score = tl.where(mask & (_float_key(z) > cut), score, float("-inf"))
-                block_best = tl.max(score, axis=0)
-                block_col = tl.min(tl.where(score == block_best, cols, vocab), axis=0).to(tl.int64)
-                better = block_best > best
-                cand = tl.where(better, block_col, cand)
-                best = tl.where(better, block_best, best)
+            cand = _race_above(base, temp, a, b, vocab, lanes, cut.to(tl.int64), False, BLOCK, MUL1, MUL2, CMUL)
             cand_key = _float_key(tl.div_rn(tl.load(base + cand).to(tl.float32), temp))
             likelier = tl.full((), 0.0, tl.float32)
             for start in range(0, vocab, BLOCK):
@@ -311,20 +325,7 @@ def _nucleus_kernel(logits, temps, top_ps, seeds, counters, out, vocab, stride_r
                 else:
                     lo = mid
         a, b = _row_keys(seed, counter, tl.full((), ROUNDS, tl.uint32), MUL1, MUL2, A0, B0)
-        best = tl.full((), float("-inf"), tl.float32)
-        cand = tl.full((), 0, tl.int64)
-        for start in range(0, vocab, BLOCK):
-            cols = start + lanes
-            mask = cols < vocab
-            z = tl.div_rn(tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32), temp)
-            score = z + _gumbel_from_hash(_column_hash(a, b, cols, MUL1, MUL2, CMUL))
-            score = tl.where(mask & (_float_key(z).to(tl.int64) >= hi), score, float("-inf"))
-            block_best = tl.max(score, axis=0)
-            block_col = tl.min(tl.where(score == block_best, cols, vocab), axis=0).to(tl.int64)
-            better = block_best > best
-            cand = tl.where(better, block_col, cand)
-            best = tl.where(better, block_best, best)
-        drawn = cand
+        drawn = _race_above(base, temp, a, b, vocab, lanes, hi, True, BLOCK, MUL1, MUL2, CMUL)
     tl.store(out + row, drawn)
 
 
