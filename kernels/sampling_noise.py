@@ -232,10 +232,10 @@ def _race_above(base, temp, a, b, vocab, lanes, lo, INCLUSIVE: tl.constexpr, BLO
         mask = cols < vocab
         z = tl.div_rn(tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32), temp)
         score = z + _gumbel_from_hash(_column_hash(a, b, cols, MUL1, MUL2, CMUL))
-        key = _float_key(z).to(tl.int64)
-        if INCLUSIVE:
-            allowed = key >= lo
-        else:
+        key = _float_key(z)
+        if INCLUSIVE:  # the bisection's cut is an int64 key
+            allowed = key.to(tl.int64) >= lo
+        else:  # a rejected candidate's int32 key
             allowed = key > lo
         score = tl.where(mask & allowed, score, float("-inf"))
         block_best = tl.max(score, axis=0)
@@ -291,7 +291,7 @@ def _nucleus_kernel(logits, temps, top_ps, seeds, counters, out, vocab, stride_r
     for rnd in range(1, ROUNDS):
         if done == 0:
             a, b = _row_keys(seed, counter, (tl.zeros((), tl.int32) + rnd).to(tl.uint32), MUL1, MUL2, A0, B0)
-            cand = _race_above(base, temp, a, b, vocab, lanes, cut.to(tl.int64), False, BLOCK, MUL1, MUL2, CMUL)
+            cand = _race_above(base, temp, a, b, vocab, lanes, cut, False, BLOCK, MUL1, MUL2, CMUL)
             cand_key = _float_key(tl.div_rn(tl.load(base + cand).to(tl.float32), temp))
             likelier = tl.full((), 0.0, tl.float32)
             for start in range(0, vocab, BLOCK):
