@@ -8,6 +8,7 @@ of them say why.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -75,8 +76,10 @@ def run_job(raw_cfg: dict[str, Any], overrides: list[str], ranks: RankInfo, outp
             write_error_file(error_line(str(exc)))  # torchrun's summary: every rank's entry says why
         if not multirun:
             _write(metrics, raw_cfg, ranks, None if refused else output_dir, started)
-            supervisor.leaving(EXIT_USER_ERROR)
-            all_reduce_min(0)  # every rank agreed on this error: leave together, after rank 0 wrote its files
+            if ranks.world_size > 1:
+                if run_dir_lock is not None:
+                    run_dir_lock.release()
+                _leave_together(supervisor, EXIT_USER_ERROR)
             raise SystemExit(EXIT_USER_ERROR)
     except Exception as exc:
         if ranks.world_size > 1:
@@ -90,6 +93,22 @@ def run_job(raw_cfg: dict[str, Any], overrides: list[str], ranks: RankInfo, outp
             run_dir_lock.release()
     _write(metrics, raw_cfg, ranks, None if refused else output_dir, started)
     return metrics if ranks.is_first else None
+
+
+def _leave_together(supervisor: Supervisor, code: int) -> None:
+    """Every rank agreed on a user error: leave together, after rank 0 wrote its files, with `code`.
+
+    Why os._exit right after the collective: torchrun SIGTERMs the ranks still running as soon as one
+    has exited, and a rank still in Python's shutdown (whose signal handlers are back to the default by
+    then) would die of it, so its summary showed -15 instead of 2. Leaving the collective together and
+    exiting at once, with the handler that maps a late SIGTERM to `code` still in place, keeps 2 on
+    every rank. Nothing is left to clean up: the files are written and the OS drops the rest."""
+    supervisor.leaving(code)
+    all_reduce_min(0)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
 
 
 def _start_checks(cfg: EngineConfig, output_dir: Path | None, refused: list[str]) -> RunDirLock | None:
