@@ -12,6 +12,7 @@ import torch
 
 from spmd_engine.models.attention_metadata import AttentionMetadata
 from spmd_engine.core.plan import StepPlan
+from spmd_engine.executor.device_copy import to_device_async
 
 
 # What a field's length counts: the step's tokens T, its sequences B, B + 1, or B rows of max_blocks
@@ -173,10 +174,7 @@ def _decode_host_batch(plan: StepPlan, block_tables: np.ndarray, block_size: int
 
 def to_device(host: HostBatch, block_size: int, device: torch.device) -> ForwardBatch:
     def put(a: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(np.ascontiguousarray(a))
-        if device.type == "cuda":
-            return t.pin_memory().to(device, non_blocking=True)
-        return t
+        return to_device_async(torch.from_numpy(np.ascontiguousarray(a)), device)
 
     attn = AttentionMetadata(
         slot_mapping=put(host.slot_mapping),

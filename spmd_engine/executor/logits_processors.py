@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence as Seq
 import torch
 
 from spmd_engine.core.sequence import Sequence
+from spmd_engine.executor.device_copy import to_device_async
 
 
 def stop_tokens_of(seq: Sequence, eos_token_ids: Iterable[int]) -> list[int]:
@@ -45,9 +46,7 @@ def apply_min_tokens(logits: torch.Tensor, picked: Seq[tuple[Sequence, int]],
     """Forbid the stop tokens of rows still short of min_tokens, in place; nothing to do: no work at all."""
     rows, cols = min_tokens_mask(picked, eos_token_ids, logits.shape[-1])
     if rows:
-        index = torch.tensor([rows, cols], dtype=torch.int64)
-        if logits.device.type == "cuda":
-            index = index.pin_memory().to(logits.device, non_blocking=True)
+        index = to_device_async(torch.tensor([rows, cols], dtype=torch.int64), logits.device)
         logits[index[0], index[1]] = float("-inf")
     return logits
 
@@ -59,10 +58,6 @@ def _padded(rows: list[list[int]], pad: int) -> torch.Tensor:
         if r:
             out[i, :len(r)] = torch.as_tensor(r, dtype=torch.int64)
     return out
-
-
-def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 @torch.inference_mode()
@@ -88,15 +83,15 @@ def apply_penalties_and_min_p(logits: torch.Tensor, picked: Seq[tuple[Sequence, 
         params = [picked[i][0].params for i in pen]
         host = torch.tensor([[p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
                              [p.presence_penalty for p in params]], dtype=torch.float32)
-        rep, freq, pres = _to(host, dev)
-        index = _to(torch.as_tensor(pen, dtype=torch.int64), dev)
+        rep, freq, pres = to_device_async(host, dev)
+        index = to_device_async(torch.as_tensor(pen, dtype=torch.int64), dev)
         z = logits.index_select(0, index)
         counts = torch.zeros(len(pen), vocab + 1, dtype=torch.float32, device=dev)
-        out_ids = _to(_padded(outputs, vocab), dev)  # padding counts into the extra column
+        out_ids = to_device_async(_padded(outputs, vocab), dev)  # padding counts into the extra column
         counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=torch.float32))
         counts = counts[:, :vocab]
         seen = torch.zeros(len(pen), vocab + 1, dtype=torch.bool, device=dev)
-        seen.scatter_(1, _to(_padded(prompts, vocab), dev), True)
+        seen.scatter_(1, to_device_async(_padded(prompts, vocab), dev), True)
         seen = seen[:, :vocab] | (counts > 0)
         factor = torch.where(z > 0, 1.0 / rep[:, None], rep[:, None])
         z = torch.where(seen, z * factor, z)
@@ -106,8 +101,8 @@ def apply_penalties_and_min_p(logits: torch.Tensor, picked: Seq[tuple[Sequence, 
     if mp:
         host = torch.tensor([[math.log(picked[i][0].params.min_p) * picked[i][0].params.temperature for i in mp]],
                             dtype=torch.float32)[0]
-        margin = _to(host, dev)
-        index = _to(torch.as_tensor(mp, dtype=torch.int64), dev)
+        margin = to_device_async(host, dev)
+        index = to_device_async(torch.as_tensor(mp, dtype=torch.int64), dev)
         z = logits.index_select(0, index)
         cut = z.max(dim=-1, keepdim=True).values + margin[:, None]
         logits.index_copy_(0, index, z.masked_fill(z < cut, float("-inf")))

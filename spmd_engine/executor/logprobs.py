@@ -22,13 +22,13 @@ import torch
 
 from spmd_engine.core.plan import prompt_logit_count  # noqa: F401 (re-exported)
 from spmd_engine.core.sequence import Sequence
+from spmd_engine.executor.device_copy import to_device_async
 
 
 def host_to_device(values, device: torch.device) -> torch.Tensor:
     """Small int64 index data on `device` without waiting for the GPU (pinned, non-blocking: a pageable
     copy would wait for the queued forward)."""
-    host = torch.as_tensor(np.asarray(values, dtype=np.int64))
-    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+    return to_device_async(torch.as_tensor(np.asarray(values, dtype=np.int64)), device)
 
 
 LOGPROB_ROWS_PER_CHUNK = 1024  # prompt rows log-softmaxed at a time: bounds the extra [rows, vocab] memory

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from spmd_engine.executor.device_copy import to_device_async
 from spmd_engine.kernels.reference import gumbel_noise_at_reference, gumbel_noise_reference
 
 # below this, logits / temperature overflow float32: such rows are greedy (their limit anyway)
@@ -83,13 +84,8 @@ def gumbel_noise_at(seeds: torch.Tensor, counters: torch.Tensor, round_: int, co
 
 
 def _host_to(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small per-step tensor on `device` without waiting for the GPU: from pinned memory, non-blocking
-    (a copy from pageable memory may wait for the queued forward, which costs async scheduling its
-    overlap)."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
+    """A small per-step tensor of `values` on `device`, without waiting for the GPU."""
+    return to_device_async(torch.tensor(values, dtype=dtype), device)
 
 
 class Sampler:
