@@ -8,7 +8,7 @@ up to the device's log rounding.
 
 Kernels: the noise of whole rows (`gumbel_noise`) or of given columns (`gumbel_noise_at`, the top-k
 candidates), the fused plain draw (`gumbel_race`), and the whole top-p draw of a row with its
-rejection rounds and exact fallback (`nucleus_sample`), so the sampler never waits for the GPU.
+rejection rounds and exact fallback spread over (row, chunk) programs (`nucleus_sample`), so the sampler never waits for the GPU.
 """
 from __future__ import annotations
 
@@ -150,13 +150,14 @@ def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, round_: int, vocab
 
 @triton.jit
 def _gumbel_race_kernel(logits, temps, seeds, counters, best_scores, best_cols, vocab, stride_row, num_chunks,
-                        chunk_max, CHUNK: tl.constexpr, BLOCK: tl.constexpr, MUL1: tl.constexpr,
-                        MUL2: tl.constexpr, A0: tl.constexpr, B0: tl.constexpr, CMUL: tl.constexpr,
-                        WITH_MAX: tl.constexpr = False):
+                        chunk_max, chunk_sum, done_round, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                        MUL1: tl.constexpr, MUL2: tl.constexpr, A0: tl.constexpr, B0: tl.constexpr,
+                        CMUL: tl.constexpr, WITH_STATS: tl.constexpr = False):
     """One program per (row, vocabulary chunk): the chunk's best logits / T + round-0 Gumbel noise and
     its column, the noise made in registers (no [N, V] tensor); ties go to the lowest column, as
     torch.argmax. Chunks rather than whole rows: a row per program leaves most of the GPU idle.
-    WITH_MAX: also the chunk's largest logits / T (the nucleus kernel's round 0)."""
+    WITH_STATS (the nucleus draw's round 0): also the chunk's largest logits / T and its softmax sum
+    relative to that maximum, and every row marked undecided (done_round -1)."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     seed = tl.load(seeds + row).to(tl.int64)
@@ -166,13 +167,17 @@ def _gumbel_race_kernel(logits, temps, seeds, counters, best_scores, best_cols, 
     best = tl.full((), float("-inf"), tl.float32)
     best_col = tl.full((), 0, tl.int64) + chunk * CHUNK
     top = tl.full((), float("-inf"), tl.float32)
+    total = tl.full((), 0.0, tl.float32)
     for offset in range(0, CHUNK, BLOCK):
         cols = chunk * CHUNK + offset + tl.arange(0, BLOCK)
         mask = cols < vocab
         x = tl.load(logits + row * stride_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
         z = tl.div_rn(x, temp)
-        if WITH_MAX:
-            top = tl.maximum(top, tl.max(tl.where(mask, z, float("-inf")), axis=0))
+        if WITH_STATS:  # an online softmax sum: rescaled whenever the running maximum grows
+            new_top = tl.maximum(top, tl.max(tl.where(mask, z, float("-inf")), axis=0))
+            shift = tl.where(new_top == float("-inf"), 0.0, new_top)  # all -inf so far: nothing to add
+            total = total * tl.exp(top - shift) + tl.sum(tl.where(mask, tl.exp(z - shift), 0.0), axis=0)
+            top = new_top
         score = z + _gumbel_from_hash(_column_hash(a, b, cols, MUL1, MUL2, CMUL))
         score = tl.where(mask, score, float("-inf"))
         block_best = tl.max(score, axis=0)
@@ -182,8 +187,11 @@ def _gumbel_race_kernel(logits, temps, seeds, counters, best_scores, best_cols, 
         best = tl.where(better, block_best, best)
     tl.store(best_scores + row * num_chunks + chunk, best)
     tl.store(best_cols + row * num_chunks + chunk, best_col)
-    if WITH_MAX:
+    if WITH_STATS:
         tl.store(chunk_max + row * num_chunks + chunk, top)
+        tl.store(chunk_sum + row * num_chunks + chunk, total)
+        if chunk == 0:
+            tl.store(done_round + row, -1)
 
 
 RACE_CHUNK = 4 * BLOCK  # columns per program of the fused race
@@ -206,7 +214,7 @@ def gumbel_race(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.T
     cols = torch.empty(rows, num_chunks, device=logits.device, dtype=torch.int64)
     _gumbel_race_kernel[(rows, num_chunks)](
         logits, temperatures.float().contiguous(), seeds.long().contiguous(), counters.long().contiguous(),
-        scores, cols, vocab, logits.stride(0), num_chunks, scores,
+        scores, cols, vocab, logits.stride(0), num_chunks, scores, scores, cols,
         CHUNK=RACE_CHUNK, BLOCK=BLOCK, MUL1=HASH_MUL1, MUL2=HASH_MUL2, A0=LANE_A, B0=LANE_B, CMUL=COLUMN_MUL,
         num_warps=4)
     # the first chunk holding the row's maximum (torch.argmax takes the first): the lowest column
@@ -247,106 +255,194 @@ def _race_above(base, temp, a, b, vocab, lanes, lo, INCLUSIVE: tl.constexpr, BLO
 
 
 @triton.jit
-def _nucleus_kernel(logits, temps, top_ps, seeds, counters, out, vocab, stride_row,
-                    race_scores, race_cols, race_max, num_chunks,
-                    ROUNDS: tl.constexpr, BLOCK: tl.constexpr, MUL1: tl.constexpr, MUL2: tl.constexpr,
-                    A0: tl.constexpr, B0: tl.constexpr, CMUL: tl.constexpr):
-    """One program per row, after the chunked round-0 race (its per-chunk best scores, columns and
-    maxima): exact top-p draw by rejection, with the row's own round-r noise, and
-    after ROUNDS rejections the exact nucleus cut by bisection (round ROUNDS noise). Every decision
-    is taken inside the program, so the host never waits and a row never sees another row."""
+def _row_top_total(chunk_max, chunk_sum, row, num_chunks, CBLOCK: tl.constexpr):
+    """A row's largest logits / T and its softmax denominator relative to it, from the round-0
+    race's per-chunk maxima and sums."""
+    offs = tl.arange(0, CBLOCK)
+    inside = offs < num_chunks
+    cmax = tl.load(chunk_max + row * num_chunks + offs, mask=inside, other=float("-inf"))
+    csum = tl.load(chunk_sum + row * num_chunks + offs, mask=inside, other=0.0)
+    top = tl.max(cmax, axis=0)
+    total = tl.sum(tl.where(cmax == float("-inf"), 0.0, csum * tl.exp(cmax - top)), axis=0)
+    return top, total
+
+
+@triton.jit
+def _row_candidate(race_scores, race_cols, row, num_chunks, CBLOCK: tl.constexpr):
+    """The column a whole-row race would pick from its chunks' winners: the best score, the lowest
+    column on ties (each chunk's winner is its lowest tied column)."""
+    offs = tl.arange(0, CBLOCK)
+    inside = offs < num_chunks
+    scores = tl.load(race_scores + row * num_chunks + offs, mask=inside, other=float("-inf"))
+    cols = tl.load(race_cols + row * num_chunks + offs, mask=inside, other=0)
+    best = tl.max(scores, axis=0)
+    return tl.min(tl.where(inside & (scores == best), cols, 1 << 62), axis=0)
+
+
+@triton.jit
+def _row_sum(values, row, num_chunks, CBLOCK: tl.constexpr):
+    offs = tl.arange(0, CBLOCK)
+    return tl.sum(tl.load(values + row * num_chunks + offs, mask=offs < num_chunks, other=0.0), axis=0)
+
+
+@triton.jit
+def _nucleus_mass_kernel(logits, temps, stride_row, vocab, num_chunks, race_scores, race_cols, chunk_max, mass,
+                         done_round, CHECK_DONE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                         CBLOCK: tl.constexpr):
+    """One program per (row, chunk) of an undecided row: the chunk's share of the mass of tokens
+    likelier than the row's candidate of this round (relative to the row's maximum)."""
     row = tl.program_id(0).to(tl.int64)
-    base = logits + row * stride_row
-    seed = tl.load(seeds + row).to(tl.int64)
-    counter = tl.load(counters + row).to(tl.int64)
-    temp = tl.load(temps + row)
-    top_p = tl.load(top_ps + row)
-    lanes = tl.arange(0, BLOCK)
-    # round 0 came from the chunked race (all of the GPU hashes the noise): the first chunk holding
-    # the best score, as one scan of the row would have found it, and the row's maximum
-    top = tl.full((), float("-inf"), tl.float32)
-    best = tl.full((), float("-inf"), tl.float32)
-    cand = tl.full((), 0, tl.int64)
-    for c in range(0, num_chunks):
-        chunk_best = tl.load(race_scores + row * num_chunks + c)
-        better = chunk_best > best
-        cand = tl.where(better, tl.load(race_cols + row * num_chunks + c), cand)
-        best = tl.where(better, chunk_best, best)
-        top = tl.maximum(top, tl.load(race_max + row * num_chunks + c))
-    cand_key = _float_key(tl.div_rn(tl.load(base + cand).to(tl.float32), temp))
-    # scan 2: the row's softmax denominator and the mass of tokens likelier than the candidate
-    total = tl.full((), 0.0, tl.float32)
-    likelier = tl.full((), 0.0, tl.float32)
+    chunk = tl.program_id(1)
+    undecided = True
+    if CHECK_DONE:
+        undecided = tl.load(done_round + row) < 0
+    if undecided:
+        base = logits + row * stride_row
+        temp = tl.load(temps + row)
+        cand = _row_candidate(race_scores, race_cols, row, num_chunks, CBLOCK)
+        cand_key = _float_key(tl.div_rn(tl.load(base + cand).to(tl.float32), temp))
+        offs = tl.arange(0, CBLOCK)
+        top = tl.max(tl.load(chunk_max + row * num_chunks + offs, mask=offs < num_chunks, other=float("-inf")),
+                     axis=0)
+        acc = tl.zeros((BLOCK,), tl.float32)
+        for offset in range(0, CHUNK, BLOCK):
+            cols = chunk * CHUNK + offset + tl.arange(0, BLOCK)
+            mask = cols < vocab
+            z = tl.div_rn(tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32), temp)
+            acc += tl.where(mask & (_float_key(z) > cand_key), tl.exp(z - top), 0.0)
+        tl.store(mass + row * num_chunks + chunk, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _nucleus_round_kernel(logits, temps, top_ps, seeds, counters, out, prev_done, done_round, stride_row, vocab,
+                          num_chunks, prev_scores, prev_cols, chunk_max, chunk_sum, mass, race_scores, race_cols, rnd,
+                          CHUNK: tl.constexpr, BLOCK: tl.constexpr, CBLOCK: tl.constexpr, MUL1: tl.constexpr,
+                          MUL2: tl.constexpr, A0: tl.constexpr, B0: tl.constexpr, CMUL: tl.constexpr):
+    """Rejection round `rnd` >= 1, one program per (row, chunk): a row whose last candidate is in
+    its nucleus is decided (chunk 0's program writes the token); otherwise the chunk's race, with
+    round-`rnd` noise, over the tokens likelier than that rejected candidate.
+
+    The rows' decisions go to `done_round`, never to `prev_done` (what this launch reads): a program
+    reading a flag that another program of the same launch writes could see it change between its
+    warps, and warps that disagree break the block reductions (seen as a wild load on an H200)."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    decided = tl.load(prev_done + row)
+    now = decided  # an earlier round's decision carries over
+    if decided < 0:
+        base = logits + row * stride_row
+        temp = tl.load(temps + row)
+        top, total = _row_top_total(chunk_max, chunk_sum, row, num_chunks, CBLOCK)
+        cand = _row_candidate(prev_scores, prev_cols, row, num_chunks, CBLOCK)
+        if _row_sum(mass, row, num_chunks, CBLOCK) < tl.load(top_ps + row) * total:
+            if chunk == 0:
+                tl.store(out + row, cand)
+            now = tl.zeros((), tl.int32) + (rnd - 1)
+        else:
+            cut = _float_key(tl.div_rn(tl.load(base + cand).to(tl.float32), temp))
+            seed = tl.load(seeds + row).to(tl.int64)
+            counter = tl.load(counters + row).to(tl.int64)
+            a, b = _row_keys(seed, counter, (tl.zeros((), tl.int32) + rnd).to(tl.uint32), MUL1, MUL2, A0, B0)
+            best = tl.full((), float("-inf"), tl.float32)
+            best_col = tl.full((), 0, tl.int64) + chunk * CHUNK
+            for offset in range(0, CHUNK, BLOCK):
+                cols = chunk * CHUNK + offset + tl.arange(0, BLOCK)
+                mask = cols < vocab
+                z = tl.div_rn(tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32), temp)
+                score = z + _gumbel_from_hash(_column_hash(a, b, cols, MUL1, MUL2, CMUL))
+                score = tl.where(mask & (_float_key(z) > cut), score, float("-inf"))
+                block_best = tl.max(score, axis=0)
+                block_col = tl.min(tl.where(score == block_best, cols, vocab), axis=0).to(tl.int64)
+                better = block_best > best
+                best_col = tl.where(better, block_col, best_col)
+                best = tl.where(better, block_best, best)
+            tl.store(race_scores + row * num_chunks + chunk, best)
+            tl.store(race_cols + row * num_chunks + chunk, best_col)
+    if chunk == 0:
+        tl.store(done_round + row, now)
+
+
+@triton.jit
+def _nucleus_finish_kernel(logits, temps, top_ps, seeds, counters, out, done_round, vocab, stride_row, num_chunks,
+                           race_scores, race_cols, chunk_max, chunk_sum, mass,
+                           FIRST: tl.constexpr, ROUNDS: tl.constexpr, BLOCK: tl.constexpr, CBLOCK: tl.constexpr,
+                           MUL1: tl.constexpr, MUL2: tl.constexpr, A0: tl.constexpr, B0: tl.constexpr,
+                           CMUL: tl.constexpr):
+    """One program per row still undecided after the chunked rounds 0..FIRST-1 (rare: each round
+    rejects with probability <= 1 - top_p): accept round FIRST-1's candidate, or run rounds
+    FIRST..ROUNDS-1 in the program and after them the exact nucleus cut by bisection (round ROUNDS
+    noise). Every decision is taken on the device; a row never sees another row."""
+    row = tl.program_id(0).to(tl.int64)
+    if tl.load(done_round + row) < 0:
+        base = logits + row * stride_row
+        seed = tl.load(seeds + row).to(tl.int64)
+        counter = tl.load(counters + row).to(tl.int64)
+        temp = tl.load(temps + row)
+        lanes = tl.arange(0, BLOCK)
+        top, total = _row_top_total(chunk_max, chunk_sum, row, num_chunks, CBLOCK)
+        bound = tl.load(top_ps + row) * total  # token i is in the nucleus iff the mass likelier than it is < bound
+        drawn = _row_candidate(race_scores, race_cols, row, num_chunks, CBLOCK)
+        done = (_row_sum(mass, row, num_chunks, CBLOCK) < bound).to(tl.int32)
+        cut = _float_key(tl.div_rn(tl.load(base + drawn).to(tl.float32), temp))  # keys <= cut: outside
+        for rnd in range(FIRST, ROUNDS):
+            if done == 0:
+                a, b = _row_keys(seed, counter, (tl.zeros((), tl.int32) + rnd).to(tl.uint32), MUL1, MUL2, A0, B0)
+                drawn = _race_above(base, temp, a, b, vocab, lanes, cut, False, BLOCK, MUL1, MUL2, CMUL)
+                cut = _float_key(tl.div_rn(tl.load(base + drawn).to(tl.float32), temp))
+                done = (_mass_above(base, temp, top, vocab, lanes, cut.to(tl.int64), BLOCK) < bound).to(tl.int32)
+        if done == 0:
+            # the exact cut: the smallest key t with mass(keys > t) < bound. It is a token's key (the mass
+            # above t only grows at tokens' keys), and the nucleus is every key >= t. Bisection between
+            # the last rejected candidate's key (mass above it >= bound) and the maximum's (mass above 0):
+            # at most 32 halvings, each a scan of the row, skipped once the bracket is closed.
+            lo = cut.to(tl.int64)
+            hi = _float_key(top).to(tl.int64)
+            for _ in range(32):
+                mid = lo + (hi - lo) // 2
+                if hi - lo > 1:
+                    if _mass_above(base, temp, top, vocab, lanes, mid, BLOCK) < bound:
+                        hi = mid
+                    else:
+                        lo = mid
+            a, b = _row_keys(seed, counter, tl.full((), ROUNDS, tl.uint32), MUL1, MUL2, A0, B0)
+            drawn = _race_above(base, temp, a, b, vocab, lanes, hi, True, BLOCK, MUL1, MUL2, CMUL)
+        tl.store(out + row, drawn)
+
+
+@triton.jit
+def _mass_above(base, temp, top, vocab, lanes, cut, BLOCK: tl.constexpr):
+    """One row's softmax mass (relative to its maximum `top`) of the tokens whose key is > cut."""
+    acc = tl.zeros((BLOCK,), tl.float32)
     for start in range(0, vocab, BLOCK):
         cols = start + lanes
         mask = cols < vocab
         z = tl.div_rn(tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32), temp)
-        e = tl.where(mask, tl.exp(z - top), 0.0)
-        total += tl.sum(e, axis=0)
-        likelier += tl.sum(tl.where(_float_key(z) > cand_key, e, 0.0), axis=0)
-    bound = top_p * total  # token i is in the nucleus iff the mass likelier than it is < bound
-    done = (likelier < bound).to(tl.int32)
-    drawn = cand
-    cut = cand_key  # tokens with keys <= cut are known to be outside the nucleus
-    for rnd in range(1, ROUNDS):
-        if done == 0:
-            a, b = _row_keys(seed, counter, (tl.zeros((), tl.int32) + rnd).to(tl.uint32), MUL1, MUL2, A0, B0)
-            cand = _race_above(base, temp, a, b, vocab, lanes, cut, False, BLOCK, MUL1, MUL2, CMUL)
-            cand_key = _float_key(tl.div_rn(tl.load(base + cand).to(tl.float32), temp))
-            likelier = tl.full((), 0.0, tl.float32)
-            for start in range(0, vocab, BLOCK):
-                cols = start + lanes
-                mask = cols < vocab
-                z = tl.div_rn(tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32), temp)
-                e = tl.where(mask & (_float_key(z) > cand_key), tl.exp(z - top), 0.0)
-                likelier += tl.sum(e, axis=0)
-            done = (likelier < bound).to(tl.int32)
-            drawn = cand
-            cut = cand_key
-    if done == 0:
-        # the exact cut: the smallest key t with mass(keys > t) < bound. It is a token's key (the mass
-        # above t only grows at tokens' keys), and the nucleus is every key >= t. Bisection between
-        # the last rejected candidate's key (mass above it >= bound) and the maximum's (mass above 0):
-        # at most 32 halvings, each a scan of the row, skipped once the bracket is closed.
-        lo = cut.to(tl.int64)
-        hi = _float_key(top).to(tl.int64)
-        for _ in range(32):
-            mid = lo + (hi - lo) // 2
-            if hi - lo > 1:
-                mass = tl.full((), 0.0, tl.float32)
-                for start in range(0, vocab, BLOCK):
-                    cols = start + lanes
-                    mask = cols < vocab
-                    z = tl.div_rn(tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32), temp)
-                    e = tl.where(mask & (_float_key(z).to(tl.int64) > mid), tl.exp(z - top), 0.0)
-                    mass += tl.sum(e, axis=0)
-                if mass < bound:
-                    hi = mid
-                else:
-                    lo = mid
-        a, b = _row_keys(seed, counter, tl.full((), ROUNDS, tl.uint32), MUL1, MUL2, A0, B0)
-        drawn = _race_above(base, temp, a, b, vocab, lanes, hi, True, BLOCK, MUL1, MUL2, CMUL)
-    tl.store(out + row, drawn)
+        acc += tl.where(mask & (_float_key(z).to(tl.int64) > cut), tl.exp(z - top), 0.0)
+    return tl.sum(acc, axis=0)
 
 
-NUCLEUS_BLOCK = 2048  # columns per iteration of the nucleus kernel's scans (one program per row)
+NUCLEUS_BLOCK = 2048  # columns per iteration of the finishing kernel's whole-row scans (one program per row)
+NUCLEUS_CHUNKED_ROUNDS = 3  # rounds 0.. spread over (row, chunk) programs; the rest run a program per row
 
 
 def nucleus_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tensor, seeds: torch.Tensor,
-                   counters: torch.Tensor, rounds: int) -> torch.Tensor:
+                   counters: torch.Tensor, rounds: int, chunked_rounds: int = NUCLEUS_CHUNKED_ROUNDS) -> torch.Tensor:
     """Exact top-p draws (top_p in (0, 1)) without a host sync or a sort: `rounds` rejection rounds
     (round r: the row's (seed, counter, r) noise), then the exact nucleus by bisection and round
     `rounds` noise. The same algorithm as the sampler's torch path (`spmd_engine.executor.sampler._sample_nucleus`),
     token for token up to summation rounding at the nucleus boundary. logits [N, V] (last dim
     contiguous), temperatures / top_ps [N] float32, seeds / counters [N] int64 -> [N] int64.
 
-    Cost: round 0 is the plain race's chunked kernel (the hashing spread over the GPU, with each
-    chunk's maximum); a row accepted there reads its logits once more in its own program (the
-    softmax sum and the mass likelier than the candidate). Each round rejects with probability
-    <= 1 - top_p (the allowed set always holds the nucleus, of mass >= top_p), so a row reaches
-    the bisection (up to 32 more reads) with probability <= (1 - top_p) ** rounds: 1.6e-8 at
-    top_p 0.95 and 6 rounds, 1.6 % at top_p 0.5. One program per row: whatever one row needs, the
-    others neither wait for the host nor see it."""
+    Cost: every scan of the first `chunked_rounds` rounds is spread over (row, chunk) programs, as
+    the plain race is: round 0 is that race (with each chunk's maximum and softmax sum), then one
+    chunked pass for the mass likelier than the candidate; each further round is a chunked race over
+    the still-allowed tokens and a chunked mass pass, where decided rows' programs return at once.
+    A whole row scanned by one program is far slower (one SM for 150k logits, several times per
+    rejected row), so that only serves rows rejected `chunked_rounds` times, with probability <=
+    (1 - top_p) ** chunked_rounds (1.25e-4 at top_p 0.95): the rounds left, then the bisection (up
+    to 32 scans), reached with probability <= (1 - top_p) ** rounds (1.6e-8 at 0.95 and 6 rounds).
+    Each round rejects with probability <= 1 - top_p (the allowed set always holds the nucleus).
+    Whatever one row needs, the others neither wait for the host nor see it."""
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"nucleus_sample: logits must be [N, V] with a contiguous last dim, got {tuple(logits.shape)}")
     rows, vocab = logits.shape
@@ -355,20 +451,44 @@ def nucleus_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ps: tor
             raise ValueError(f"nucleus_sample: {name} must be [{rows}], got {tuple(t.shape)}")
     if not 1 <= rounds < 2**31:
         raise ValueError(f"nucleus_sample: rounds must be in [1, 2**31), got {rounds}")
-    out = torch.zeros(rows, device=logits.device, dtype=torch.int64)
-    if rows and vocab:
-        temperatures = temperatures.float().contiguous()
-        seeds, counters = seeds.long().contiguous(), counters.long().contiguous()
-        num_chunks = triton.cdiv(vocab, RACE_CHUNK)
-        race = torch.empty(2, rows, num_chunks, device=logits.device, dtype=torch.float32)
-        race_cols = torch.empty(rows, num_chunks, device=logits.device, dtype=torch.int64)
-        _gumbel_race_kernel[(rows, num_chunks)](  # round 0, spread over the GPU
-            logits, temperatures, seeds, counters, race[0], race_cols, vocab, logits.stride(0), num_chunks, race[1],
-            CHUNK=RACE_CHUNK, BLOCK=BLOCK, MUL1=HASH_MUL1, MUL2=HASH_MUL2, A0=LANE_A, B0=LANE_B, CMUL=COLUMN_MUL,
-            WITH_MAX=True, num_warps=4)
-        _nucleus_kernel[(rows,)](
-            logits, temperatures, top_ps.float().contiguous(), seeds,
-            counters, out, vocab, logits.stride(0), race[0], race_cols, race[1], num_chunks,
-            ROUNDS=rounds, BLOCK=NUCLEUS_BLOCK, MUL1=HASH_MUL1, MUL2=HASH_MUL2, A0=LANE_A, B0=LANE_B,
-            CMUL=COLUMN_MUL, num_warps=8)
+    if not 1 <= chunked_rounds:
+        raise ValueError(f"nucleus_sample: chunked_rounds must be >= 1, got {chunked_rounds}")
+    chunked_rounds = min(chunked_rounds, rounds)
+    out = torch.empty(rows, device=logits.device, dtype=torch.int64)
+    if not rows or not vocab:
+        return out
+    temperatures, top_ps = temperatures.float().contiguous(), top_ps.float().contiguous()
+    seeds, counters = seeds.long().contiguous(), counters.long().contiguous()
+    num_chunks = triton.cdiv(vocab, RACE_CHUNK)
+    cblock = triton.next_power_of_2(num_chunks)
+    # float32 [5, N, chunks]: two races' chunk winners (rounds alternate), chunk maxima, sums, masses
+    stats = torch.empty(5, rows, num_chunks, device=logits.device, dtype=torch.float32)
+    race_cols = torch.empty(2, rows, num_chunks, device=logits.device, dtype=torch.int64)
+    # per row, the round its candidate was accepted in (-1: undecided); rounds alternate between two
+    # copies, so a launch only reads what an earlier launch wrote
+    done = torch.empty(2, rows, device=logits.device, dtype=torch.int32)
+    chunk_max, chunk_sum, mass = stats[2], stats[3], stats[4]
+    hashing = dict(MUL1=HASH_MUL1, MUL2=HASH_MUL2, A0=LANE_A, B0=LANE_B, CMUL=COLUMN_MUL)
+    grid = (rows, num_chunks)
+    stride = logits.stride(0)
+    _gumbel_race_kernel[grid](  # round 0, spread over the GPU
+        logits, temperatures, seeds, counters, stats[0], race_cols[0], vocab, stride, num_chunks,
+        chunk_max, chunk_sum, done[0], CHUNK=RACE_CHUNK, BLOCK=BLOCK, WITH_STATS=True, num_warps=4, **hashing)
+    _nucleus_mass_kernel[grid](logits, temperatures, stride, vocab, num_chunks, stats[0], race_cols[0], chunk_max,
+                               mass, done[0], CHECK_DONE=False, CHUNK=RACE_CHUNK, BLOCK=BLOCK, CBLOCK=cblock,
+                               num_warps=4)
+    for rnd in range(1, chunked_rounds):
+        prev, cur = (rnd - 1) % 2, rnd % 2
+        _nucleus_round_kernel[grid](
+            logits, temperatures, top_ps, seeds, counters, out, done[prev], done[cur], stride, vocab, num_chunks,
+            stats[prev], race_cols[prev], chunk_max, chunk_sum, mass, stats[cur], race_cols[cur], rnd,
+            CHUNK=RACE_CHUNK, BLOCK=BLOCK, CBLOCK=cblock, num_warps=4, **hashing)
+        _nucleus_mass_kernel[grid](logits, temperatures, stride, vocab, num_chunks, stats[cur], race_cols[cur],
+                                   chunk_max, mass, done[cur], CHECK_DONE=True, CHUNK=RACE_CHUNK, BLOCK=BLOCK,
+                                   CBLOCK=cblock, num_warps=4)
+    last = (chunked_rounds - 1) % 2
+    _nucleus_finish_kernel[(rows,)](
+        logits, temperatures, top_ps, seeds, counters, out, done[last], vocab, stride, num_chunks,
+        stats[last], race_cols[last], chunk_max, chunk_sum, mass,
+        FIRST=chunked_rounds, ROUNDS=rounds, BLOCK=NUCLEUS_BLOCK, CBLOCK=cblock, num_warps=8, **hashing)
     return out

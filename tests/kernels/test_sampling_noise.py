@@ -158,6 +158,21 @@ def test_nucleus_kernel_fallback_finds_the_exact_nucleus(monkeypatch):
     assert got.max().item() < 10  # inside the nucleus
 
 
+@pytest.mark.parametrize("chunked_rounds", [1, 2, 6])
+def test_nucleus_kernel_rounds_split_between_chunked_and_row_programs(chunked_rounds):
+    """Where the rounds run (spread over (row, chunk) programs, or a program per row) changes no
+    token: rows accepted in round 0, in later rounds and by the fallback, against the torch path."""
+    from spmd_engine.executor.sampler import NUCLEUS_ROUNDS, _sample_nucleus
+    rows, vocab = 12, RACE_CHUNK + 300
+    gen, temps, seeds, counters = _nucleus_inputs(rows, vocab, 5)
+    logits = 0.02 * torch.randn(rows, vocab, generator=gen)  # nearly flat rows: small top_p rejects often
+    logits[:4] = 3 * torch.randn(4, vocab, generator=gen)
+    logits = logits.to(DEVICE)
+    top_p = torch.tensor([0.9, 0.5, 0.2, 0.05, 0.3, 0.1, 0.02, 0.01, 0.6, 0.002, 0.15, 0.05]).to(DEVICE)
+    got = nucleus_sample(logits, temps, top_p, seeds, counters, NUCLEUS_ROUNDS, chunked_rounds=chunked_rounds)
+    assert got.tolist() == _sample_nucleus(logits / temps[:, None], top_p, seeds, counters).tolist()
+
+
 def test_nucleus_kernel_keeps_tied_tokens_and_checks_shapes():
     """All tokens tie: none is strictly likelier, so every token is in the nucleus (no bisection cut
     at an arbitrary rank); bad shapes raise."""
