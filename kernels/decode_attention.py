@@ -38,10 +38,6 @@ class DecodeConfig:
     programs_per_sm: int  # target resident programs per SM when choosing the split count
 
 
-def supports(block_size: int, head_dim: int) -> bool:
-    return supports_shape(block_size, head_dim)
-
-
 def default_decode_config(head_dim: int, device: torch.device) -> DecodeConfig:
     if device.type != "cuda":  # TRITON_INTERPRET: small tiles keep the emulation fast
         return DecodeConfig(block_n=16, num_warps=1, num_stages=1, programs_per_sm=1)

@@ -497,7 +497,6 @@ class _Generation:
         out.stop_reason = seq.stop_reason
         out.logprobs = self.logprobs.pop(seq.seq_id, None)
         out.prompt_logprobs = self.prompt_logprobs.pop(seq.seq_id, None)
-        out.finish_time = time.perf_counter() - self.start
         out.num_cached_tokens = seq.num_cached_tokens
         followed = self.texts.pop(seq.seq_id, None)
         if followed is not None and followed.match is not None:

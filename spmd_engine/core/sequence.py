@@ -109,10 +109,6 @@ class SamplingParams:
                 raise ValueError(f"sampling.{name} must be an integer in [0, {MAX_LOGPROBS}] or null, got {value!r}")
         return self
 
-    @property
-    def top_k_enabled(self) -> bool:
-        return self.top_k > 0
-
     @classmethod
     def from_dict(
         cls, overrides: Mapping[str, Any], defaults: "SamplingParams | None" = None
@@ -189,10 +185,6 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
-
-    @property
-    def last_token_id(self) -> int:
-        return self.token_ids[-1]
 
     @property
     def is_finished(self) -> bool:

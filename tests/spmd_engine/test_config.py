@@ -17,6 +17,7 @@ def base(**over):
     ("max_num_seqs", 0, "max_num_seqs must be >= 1"),
     ("device", "tpu", "device must be one of"),
     ("attention_backend", "xformers", "attention_backend must be one of"),
+    ("attention_backend", "flash_attn", "attention_backend must be one of auto|triton|torch, got 'flash_attn'"),
     ("tensor_parallel_size", 4, "tensor_parallel_size=4 must equal the number of ranks (1)"),
     ("tp_reduce_dtype", "bfloat16", "tp_reduce_dtype must be one of float32|model, got 'bfloat16'"),
 ])
