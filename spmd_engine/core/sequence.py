@@ -31,8 +31,7 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed tak
 class SamplingParams:
     """How to pick tokens for one request: the one definition of the sampling parameters and their
     defaults (the public `SamplingParams`, the job's `sampling.*`, a prompts-file row's overrides).
-    conf/config.yaml lists the same keys and values so that `sampling.KEY=VALUE` overrides exist on the
-    command line; tests/spmd_engine/test_config.py checks that the two agree."""
+    The composed config's `sampling.*` keys and values come from here (spmd_engine.config.config_defaults)."""
 
     temperature: float = 0.6  # 0 = greedy
     top_p: float = 0.95  # nucleus mass in (0, 1]; 1 = off
