@@ -18,11 +18,13 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from spmd_engine.config import store_config_defaults
 from spmd_engine.distributed import RankInfo, destroy_process_group, discover_ranks
 from spmd_engine.job.hydra_job import run_job
 from spmd_engine.faults.supervisor import Supervisor
 
 RANKS = discover_ranks()
+store_config_defaults()  # conf/config.yaml extends the defaults the dataclasses define
 SUPERVISORS: list[Supervisor] = []  # this process's one Supervisor, made by the first job it runs
 
 

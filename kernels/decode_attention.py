@@ -38,10 +38,6 @@ class DecodeConfig:
     programs_per_sm: int  # target resident programs per SM when choosing the split count
 
 
-def supports(block_size: int, head_dim: int) -> bool:
-    return supports_shape(block_size, head_dim)
-
-
 def default_decode_config(head_dim: int, device: torch.device) -> DecodeConfig:
     if device.type != "cuda":  # TRITON_INTERPRET: small tiles keep the emulation fast
         return DecodeConfig(block_n=16, num_warps=1, num_stages=1, programs_per_sm=1)
@@ -202,13 +198,7 @@ def paged_decode_attention(
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"paged_decode_attention: num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     group = num_q_heads // num_kv_heads
-    if num_splits == 1:
-        partial_out = partial_lse = out  # unused by the single-pass path
-    else:
-        partial_out = torch.empty(
-            num_seqs, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=query.device
-        )
-        partial_lse = torch.empty(num_seqs, num_q_heads, num_splits, dtype=torch.float32, device=query.device)
+    partial_out, partial_lse = _split_partials(query, out, num_splits)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, out, partial_out, partial_lse, seq_lens, block_tables,
         scale * _LOG2_E,
@@ -222,9 +212,26 @@ def paged_decode_attention(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:
-        _decode_merge_kernel[(num_seqs, num_q_heads)](
-            partial_out, partial_lse, out, out.stride(0), out.stride(1), num_q_heads,
-            NUM_SPLITS=num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
-            num_warps=1 if head_dim <= 64 else 2,
-        )
+        _merge_splits(partial_out, partial_lse, out)
     return out
+
+
+def _split_partials(query: torch.Tensor, out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 per-split outputs [B, Hq, S, D] and log-sum-exps [B, Hq, S] for the merge; with one
+    split the kernel writes `out` directly and never reads them (`out` stands in for both)."""
+    if num_splits == 1:
+        return out, out
+    num_seqs, num_q_heads, head_dim = query.shape
+    partial_out = torch.empty(num_seqs, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
+    partial_lse = torch.empty(num_seqs, num_q_heads, num_splits, dtype=torch.float32, device=query.device)
+    return partial_out, partial_lse
+
+
+def _merge_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor) -> None:
+    """Combine the splits' partial outputs into `out` [B, Hq, D], weighted by their log-sum-exps."""
+    num_seqs, num_q_heads, num_splits, head_dim = partial_out.shape
+    _decode_merge_kernel[(num_seqs, num_q_heads)](
+        partial_out, partial_lse, out, out.stride(0), out.stride(1), num_q_heads,
+        NUM_SPLITS=num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+        num_warps=1 if head_dim <= 64 else 2,
+    )

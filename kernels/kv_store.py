@@ -90,17 +90,8 @@ def store_kv(
     k_scale: torch.Tensor | None = None,  # [Hkv] float32, only with a float8_e4m3fn cache
     v_scale: torch.Tensor | None = None,
 ) -> None:
+    _check_store_shapes(key, value, k_cache, v_cache, slot_mapping)
     num_tokens, num_heads, head_dim = key.shape
-    if value.shape != key.shape:
-        raise ValueError(f"store_kv: value shape {tuple(value.shape)} != key shape {tuple(key.shape)}")
-    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
-        raise ValueError("store_kv: k_cache and v_cache must have the same shape and strides")
-    if tuple(k_cache.shape[2:]) != (num_heads, head_dim):
-        raise ValueError(
-            f"store_kv: cache heads/head_dim {tuple(k_cache.shape[2:])} != key {(num_heads, head_dim)}"
-        )
-    if slot_mapping.shape != (num_tokens,):
-        raise ValueError(f"store_kv: slot_mapping must be [{num_tokens}], got {tuple(slot_mapping.shape)}")
     quantize = check_kv_scales("store_kv", k_cache, k_scale, v_scale)
     if num_tokens == 0:
         return
@@ -134,3 +125,19 @@ def store_kv(
         QUANTIZE=quantize,
         num_warps=4 if num_heads * block_d >= 1024 else 1,
     )
+
+
+def _check_store_shapes(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor) -> None:
+    """Reject mismatched shapes before a launch would write out of place."""
+    num_tokens, num_heads, head_dim = key.shape
+    if value.shape != key.shape:
+        raise ValueError(f"store_kv: value shape {tuple(value.shape)} != key shape {tuple(key.shape)}")
+    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
+        raise ValueError("store_kv: k_cache and v_cache must have the same shape and strides")
+    if tuple(k_cache.shape[2:]) != (num_heads, head_dim):
+        raise ValueError(
+            f"store_kv: cache heads/head_dim {tuple(k_cache.shape[2:])} != key {(num_heads, head_dim)}"
+        )
+    if slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"store_kv: slot_mapping must be [{num_tokens}], got {tuple(slot_mapping.shape)}")

@@ -32,10 +32,6 @@ class PrefillConfig:
     num_stages: int
 
 
-def supports(block_size: int, head_dim: int) -> bool:
-    return supports_shape(block_size, head_dim)
-
-
 def default_prefill_config(head_dim: int, device: torch.device) -> PrefillConfig:
     if device.type != "cuda":  # TRITON_INTERPRET: small tiles keep the emulation fast
         return PrefillConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)

@@ -165,11 +165,6 @@ def _gumbel_from_hash_np(bits: np.ndarray) -> np.ndarray:
     return -np.log(e)
 
 
-def gumbel_from_hash_reference(bits: torch.Tensor) -> torch.Tensor:
-    """The Gumbel noise of hash values (int64 in [0, 2**32)), float32 on their device."""
-    return torch.from_numpy(_gumbel_from_hash_np(bits.detach().cpu().numpy().astype(np.uint32))).to(bits.device)
-
-
 def gumbel_noise_reference(seeds: torch.Tensor, counters: torch.Tensor, round_: int, vocab: int) -> torch.Tensor:
     """[N, vocab] float32 Gumbel noise on the seeds' device: argmax(logits / T + noise) draws from
     softmax(logits / T). numpy on the host (its float32 log is vectorised; the CPU sampler's path)."""

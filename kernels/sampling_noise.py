@@ -3,7 +3,7 @@
 A row's noise over the vocabulary is a pure 32-bit hash of (seed, counter, round, column), so a
 request's draws depend on nothing but its own seed and token index, whatever else is batched with
 it. Bit-identical to `reference.sampling_hash_reference` (uint32 arithmetic in both, numpy's
-there); the float conversion is the same formula (`reference.gumbel_from_hash_reference`), equal
+there); the float conversion is the same formula (`reference._gumbel_from_hash_np`), equal
 up to the device's log rounding.
 
 Kernels: the noise of whole rows (`gumbel_noise`) or of given columns (`gumbel_noise_at`, the top-k
@@ -59,7 +59,7 @@ def _column_hash(a, b, cols, MUL1: tl.constexpr, MUL2: tl.constexpr, CMUL: tl.co
 
 @triton.jit
 def _gumbel_from_hash(h):
-    """Same formula as `reference.gumbel_from_hash_reference`."""
+    """Same formula as `reference._gumbel_from_hash_np`."""
     v = h.to(tl.float32) * 2.3283064365386963e-10 + 1.1641532182693481e-10  # 2**-32, 2**-33
     v = tl.minimum(v, 0.9999999403953552)  # 1 - 2**-24
     series = v * (1.0 + v * (0.5 + v * (0.3333333432674408 + v * 0.25)))

@@ -38,32 +38,36 @@ class WorkloadConfig:
 class EngineConfig:
     model: ModelConfig
     workload: WorkloadConfig
-    sampling: SamplingParams  # the job's defaults for every request (conf's sampling.*)
-    prompts: list[str] | None = None
-    prompts_file: str | None = None
-    chat_template: bool = True
+    sampling: SamplingParams = field(default_factory=SamplingParams)  # every request's defaults (sampling.*)
+    # input
+    prompts: list[str] | None = None  # e.g. prompts='["Hello", "Why is the sky blue?"]'
+    prompts_file: str | None = None  # JSONL: {"prompt": ...} or {"prompt_token_ids": [...]} (+ per-request sampling)
+    chat_template: bool = True  # wrap text prompts in the tokenizer's chat template
     chat_template_kwargs: dict[str, Any] | None = None  # options for the chat template, e.g. enable_thinking
-    resume: bool = False
+    resume: bool = False  # skip requests already present in this job's outputs.jsonl
     output_format: str = "rows"  # rows (our outputs.jsonl rows) | openai (OpenAI batch output objects)
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    cpu_kv_cache_gib: float = 2.0
-    num_kv_blocks: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_model_len: int | None = None
+    # engine
+    block_size: int = 16  # tokens per KV block (power of two)
+    gpu_memory_utilization: float = 0.9  # fraction of GPU memory the engine may use (CUDA)
+    cpu_kv_cache_gib: float = 2.0  # KV pool size on CPU, in GiB
+    num_kv_blocks: int | None = None  # fix the KV pool size in blocks on any device (overrides the two above)
+    max_num_seqs: int = 256  # sequences per step
+    max_num_batched_tokens: int = 8192  # tokens per step (prefill chunks + decodes)
+    max_model_len: int | None = None  # prompt + output limit; None = min(max_position_embeddings, 4096)
     enable_prefix_caching: bool = True
-    enforce_eager: bool = False
-    async_scheduling: bool = True
-    attention_backend: str = "auto"
-    device: str = "auto"
-    dtype: str = "auto"
+    enforce_eager: bool = False  # true = no CUDA graphs
+    async_scheduling: bool = True  # plan step N+1 while the GPU runs step N
+    attention_backend: str = "auto"  # auto | triton | torch
+    device: str = "auto"  # auto | cuda | cpu
+    dtype: str = "auto"  # auto | bfloat16 | float16 | float32
     kv_cache_dtype: str = "auto"  # auto (the model dtype) | fp8 (float8_e4m3fn, per-head scales)
-    tp_reduce_dtype: str = "float32"  # float32 | model: dtype of the row-parallel all-reduce sums
+    # float32 | model: dtype of the row-parallel all-reduce sums; bf16 partial sums rounded on every rank make
+    # N ranks pick other greedy tokens than one rank, float32 rounds once (2x the all-reduce bytes)
+    tp_reduce_dtype: str = "float32"
     seed: int = 0
-    tensor_parallel_size: int | None = None
-    dist_timeout_s: float = 45.0
-    startup_timeout_s: float = 600.0
+    tensor_parallel_size: int | None = None  # None = the world size; if set it must equal it
+    dist_timeout_s: float = 45.0  # no rank making progress (computing, a new step) this long ends the job
+    startup_timeout_s: float = 600.0  # rendezvous wait and collectives before generation
     log_level: str = "INFO"
     fault: dict[str, Any] | None = None  # test-only fault injection (see spmd_engine/faults/injection.py)
 
@@ -133,6 +137,33 @@ def startup_settings(raw: dict[str, Any]) -> StartupSettings:
     device = raw.get("device") if raw.get("device") in ("auto", "cuda", "cpu") else defaults["device"]
     dist_timeout_s, startup_timeout_s = seconds("dist_timeout_s"), seconds("startup_timeout_s")
     return StartupSettings(device, dist_timeout_s, max(dist_timeout_s, startup_timeout_s), startup_timeout_s)
+
+
+DEFAULTS_CONFIG = "engine_defaults"  # the ConfigStore entry conf/config.yaml's defaults list starts with
+_GROUP_KEYS = ("model", "workload")  # chosen by conf/'s config groups
+_ADDED_KEYS = ("fault",)  # test-only, added whole with +fault.*: absent from the composed config
+
+
+def config_defaults() -> dict[str, Any]:
+    """Every engine key of the composed config with its default, read from the dataclasses above (and
+    SamplingParams for sampling.*): the one place a default is written down; conf/ holds none."""
+    defaults: dict[str, Any] = {}
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in _GROUP_KEYS + _ADDED_KEYS:
+            continue
+        value = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        defaults[f.name] = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+    return defaults
+
+
+def store_config_defaults() -> None:
+    """Register `config_defaults()` in Hydra's ConfigStore as the base conf/config.yaml extends; call it
+    before composing conf/ (run.py does on import, `spmd_engine.llm.compose_config` before composing).
+
+    A plain node, not the dataclasses as a typed schema: see docs/ARCHITECTURE.md, "Config"."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name=DEFAULTS_CONFIG, node=config_defaults())
 
 
 def _check(ok: bool, message: str) -> None:

@@ -25,16 +25,16 @@ import torch
 from spmd_engine.models.model_config import ModelShape
 from spmd_engine.config import ConfigError, EngineConfig
 from spmd_engine.core.detokenizer import OutputText
-from spmd_engine.core.plan import COMMAND_STOP, PlanBuilder
+from spmd_engine.core.plan import COMMAND_STOP, PlanBuilder, StepPlan
 from spmd_engine.core.requests import PromptRequest, RequestOutput, validate_prompt
 from spmd_engine.core.scheduler import ScheduleOutput, Scheduler, SchedulerConfig
 from spmd_engine.core.sequence import SamplingParams, Sequence
 from spmd_engine.distributed import RankInfo, broadcast_object, gather_errors
-from spmd_engine.executor.kv_cache import KVCacheSpec, KVCapacity, planned_num_blocks
+from spmd_engine.executor.kv_cache import CudaMemoryBudget, KVCacheSpec, KVCapacity, planned_num_blocks
 from spmd_engine.executor.logits_processors import apply_min_tokens, apply_penalties_and_min_p
 from spmd_engine.executor.logprobs import (PendingLogprobs, SampledLogprobRows, compute_logprobs, entry,
                                            host_to_device, prompt_logit_count)
-from spmd_engine.executor.model_runner import ModelRunner, RunnerSettings
+from spmd_engine.executor.model_runner import ModelRunner, RunnerSettings, StagedStep
 from spmd_engine.executor.model_source import ModelSource, resolve_model_source
 from spmd_engine.executor.sampler import Sampler, SamplingRow, request_seed
 from spmd_engine.executor.token_readback import TokenReadback
@@ -42,7 +42,7 @@ from spmd_engine.faults.injection import FaultInjector
 from spmd_engine.faults.preflight import check_checkpoint_files
 from spmd_engine.faults.progress import StepProgress
 from spmd_engine.telemetry.gpu_timeline import GpuTimeline
-from spmd_engine.telemetry.step_timing import StepTimer
+from spmd_engine.telemetry.step_timing import PhaseClock, StepTimer
 
 log = logging.getLogger(__name__)
 
@@ -116,58 +116,11 @@ class Engine:
     """One engine instance per rank; `generate` is collective (every rank calls it)."""
 
     def __init__(self, cfg: EngineConfig, ranks: RankInfo, step_progress: StepProgress | None = None) -> None:
-        from spmd_engine.models.loader import load_dummy_weights, load_safetensors_weights
-        from spmd_engine.models.parallel import TensorParallel
-        from spmd_engine.models.registry import build_model
-
         self.cfg, self.ranks = cfg, ranks
         self.step_progress = step_progress or StepProgress()  # stamped per step; the watchdog reads it
-        agreed(lambda: cfg.validate(ranks.world_size))
-        self.device = agreed(lambda: resolve_device(cfg.device, ranks.local_rank))
-        self.source: ModelSource = agreed(lambda: resolve_model_source(cfg.model))
-        agreed(lambda: check_checkpoint_files(self.source.checkpoint_dir))  # weights missing on one node
-        self.shape: ModelShape = agreed(lambda: self._checked_shape())
-        self.max_model_len: int = agreed(lambda: resolve_max_model_len(cfg.max_model_len, self.shape))
-        self.dtype = resolve_dtype(cfg.dtype, self.device, self.shape.torch_dtype)
-        backend = agreed(lambda: resolve_backend(cfg.attention_backend, self.device, cfg.block_size,
-                                                 self.shape.head_dim))
-        agreed(self._check_planned_kv_capacity)  # before the weights load: a too-small pool fails fast
-        tp = (TensorParallel.from_default_group(torch.float32 if cfg.tp_reduce_dtype == "float32" else None)
-              if ranks.world_size > 1 else TensorParallel.single())
-
-        started = time.perf_counter()
-        previous_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with torch.device(self.device):
-                # agreed: an unsupported architecture / activation / sliding window fails every rank alike
-                self.model = agreed(lambda: build_model(self.source.hf_config, tp, backend))
-        finally:
-            torch.set_default_dtype(previous_dtype)
-        if self.source.checkpoint_dir is None:
-            load_dummy_weights(self.model, cfg.seed)
-        else:
-            load_safetensors_weights(self.model, self.source.checkpoint_dir)
-        self.model.eval()
-        log.info("model %s loaded (%s, %s, attention=%s, tp=%d) in %.1f s", cfg.model.name,
-                 self.source.checkpoint_dir or "dummy weights", str(self.dtype).replace("torch.", ""),
-                 backend, ranks.world_size, time.perf_counter() - started)
-
-        settings = RunnerSettings(cfg.block_size, self.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                  cfg.enforce_eager, cfg.gpu_memory_utilization, cfg.cpu_kv_cache_gib,
-                                  cfg.num_kv_blocks, cfg.kv_cache_dtype)
-        self.runner = ModelRunner(self.model, self.shape, settings, self.device, self.dtype, ranks.world_size)
-        self.kv_capacity = KVCapacity(self.runner.num_blocks, cfg.block_size, self.runner.spec.bytes_per_block)
-        agreed(lambda: self._check_kv_capacity(self.kv_capacity.num_blocks))
-        self.faults = FaultInjector.from_config(cfg.fault, ranks.rank)
-        self.faults.install(self.runner)  # test-only: a configured step fault wraps the runner's launch
-        log.info("engine: block_size=%d max_model_len=%d max_num_seqs=%d max_num_batched_tokens=%d "
-                 "prefix_caching=%s cuda_graphs=%s device=%s", cfg.block_size, self.max_model_len,
-                 cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.enable_prefix_caching,
-                 self.runner.graphs is not None, self.device)
-        cap = self.kv_capacity.as_dict()
-        log.info("KV cache: %d blocks, %d tokens, %.3f GiB per rank%s", cap["blocks"], cap["tokens"], cap["gib"],
-                 f" ({self.runner.memory_budget.describe()})" if self.runner.memory_budget else "")
+        backend = self._agree_on_setup()
+        self.model = self._load_model(backend)
+        self.runner = self._start_runner()
         self.step = 0
         self.last_run: dict[str, Any] = {}  # step counts and step timing of the last generate call (rank 0)
         # rank 0: the scheduler and its block manager live as long as the engine, so the prefix cache
@@ -179,6 +132,69 @@ class Engine:
         # collector's full passes, which otherwise walk every KV block's bookkeeping object (tens of
         # ms at 100k+ blocks) in the middle of steps. `close` hands it back to the collector.
         gc.freeze()
+
+    def _agree_on_setup(self) -> str:
+        """The start-up checks that need no weights, agreed across ranks; returns the attention backend."""
+        cfg, ranks = self.cfg, self.ranks
+        agreed(lambda: cfg.validate(ranks.world_size))
+        self.device = agreed(lambda: resolve_device(cfg.device, ranks.local_rank))
+        self.source: ModelSource = agreed(lambda: resolve_model_source(cfg.model))
+        agreed(lambda: check_checkpoint_files(self.source.checkpoint_dir))  # weights missing on one node
+        self.shape: ModelShape = agreed(lambda: self._checked_shape())
+        self.max_model_len: int = agreed(lambda: resolve_max_model_len(cfg.max_model_len, self.shape))
+        self.dtype = resolve_dtype(cfg.dtype, self.device, self.shape.torch_dtype)
+        backend = agreed(lambda: resolve_backend(cfg.attention_backend, self.device, cfg.block_size,
+                                                 self.shape.head_dim))
+        agreed(self._check_planned_kv_capacity)  # before the weights load: a too-small pool fails fast
+        return backend
+
+    def _load_model(self, backend: str) -> torch.nn.Module:
+        """Build this rank's shard of the model in the engine's dtype and device, then load its weights."""
+        from spmd_engine.models.loader import load_dummy_weights, load_safetensors_weights
+        from spmd_engine.models.parallel import TensorParallel
+        from spmd_engine.models.registry import build_model
+
+        cfg, ranks = self.cfg, self.ranks
+        tp = (TensorParallel.from_default_group(torch.float32 if cfg.tp_reduce_dtype == "float32" else None)
+              if ranks.world_size > 1 else TensorParallel.single())
+        started = time.perf_counter()
+        previous_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                # agreed: an unsupported architecture / activation / sliding window fails every rank alike
+                model = agreed(lambda: build_model(self.source.hf_config, tp, backend))
+        finally:
+            torch.set_default_dtype(previous_dtype)
+        if self.source.checkpoint_dir is None:
+            load_dummy_weights(model, cfg.seed)
+        else:
+            load_safetensors_weights(model, self.source.checkpoint_dir)
+        model.eval()
+        log.info("model %s loaded (%s, %s, attention=%s, tp=%d) in %.1f s", cfg.model.name,
+                 self.source.checkpoint_dir or "dummy weights", str(self.dtype).replace("torch.", ""),
+                 backend, ranks.world_size, time.perf_counter() - started)
+        return model
+
+    def _start_runner(self) -> ModelRunner:
+        """The runner over the loaded model: KV pool sized (and agreed to hold one sequence), graphs captured."""
+        cfg = self.cfg
+        settings = RunnerSettings(cfg.block_size, self.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                  cfg.enforce_eager, cfg.gpu_memory_utilization, cfg.cpu_kv_cache_gib,
+                                  cfg.num_kv_blocks, cfg.kv_cache_dtype)
+        runner = ModelRunner(self.model, self.shape, settings, self.device, self.dtype, self.ranks.world_size)
+        self.kv_capacity = KVCapacity(runner.num_blocks, cfg.block_size, runner.spec.bytes_per_block)
+        agreed(lambda: self._check_kv_capacity(self.kv_capacity.num_blocks, runner.memory_budget))
+        self.faults = FaultInjector.from_config(cfg.fault, self.ranks.rank)
+        self.faults.install(runner)  # test-only: a configured step fault wraps the runner's launch
+        log.info("engine: block_size=%d max_model_len=%d max_num_seqs=%d max_num_batched_tokens=%d "
+                 "prefix_caching=%s cuda_graphs=%s device=%s", cfg.block_size, self.max_model_len,
+                 cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.enable_prefix_caching,
+                 runner.graphs is not None, self.device)
+        cap = self.kv_capacity.as_dict()
+        log.info("KV cache: %d blocks, %d tokens, %.3f GiB per rank%s", cap["blocks"], cap["tokens"], cap["gib"],
+                 f" ({runner.memory_budget.describe()})" if runner.memory_budget else "")
+        return runner
 
     def _checked_shape(self) -> ModelShape:
         shape = ModelShape.from_hf_config(self.source.hf_config)
@@ -194,10 +210,9 @@ class Engine:
         if planned is not None:
             self._check_kv_capacity(planned)
 
-    def _check_kv_capacity(self, num_blocks: int) -> None:
+    def _check_kv_capacity(self, num_blocks: int, budget: CudaMemoryBudget | None = None) -> None:
+        """`budget`: the measured CUDA budget that sized the pool, named in the error (None: planned)."""
         tokens = num_blocks * self.cfg.block_size
-        runner = getattr(self, "runner", None)  # absent in the check before the model is built
-        budget = runner.memory_budget if runner is not None else None
         if tokens < self.max_model_len:
             raise ConfigError(
                 f"the KV pool holds {num_blocks} blocks x block_size {self.cfg.block_size} = "
@@ -264,7 +279,6 @@ class _Generation:
         self.progress = progress
         self.scheduler = llm.scheduler  # the engine's, for its life
         self.preemptions_before = self.scheduler.num_preemptions
-        self.scheduler.stop_string_check = self._stop_string
         self.texts: dict[int, OutputText] = {}  # seq_id -> its followed text (requests with stop strings)
         self.token_text: Callable[[int], str] | None = None
         # seq_id -> entries of requests with logprobs / prompt_logprobs (spmd_engine/logprobs.py)
@@ -310,73 +324,85 @@ class _Generation:
         self.live[seq_id] = (seq, out)
 
     def run(self) -> list[RequestOutput]:
-        llm = self.llm
         self.start = time.perf_counter()
         for seq_id, req in enumerate(self.requests):
             self._admit(seq_id, req)
         self.bar = _progress_bar(len(self.live), self.progress)
-        steps = decode_steps = 0
-        timer = StepTimer()
-        timeline = GpuTimeline(llm.device.type == "cuda")
-        launched: _Launched | None = None  # forward queued, logits not sampled yet
-        sampled: _Sampled | None = None  # tokens sampled on the device, not yet on the host
-        while True:
-            llm.step_progress.step(self.step)
-            t0 = time.perf_counter()
-            tokens = sampled.host_tokens() if sampled is not None else None  # waits for the GPU
-            t1 = time.perf_counter()
-            if sampled is not None:
-                self._postprocess(sampled, tokens)
-                sampled = None
-            t2 = time.perf_counter()
-            if launched is None and not self.scheduler.has_unfinished():
-                break
-            schedule = self.scheduler.schedule()
-            # every schedule goes through the builder, even one that runs nothing: it may still have
-            # preempted or finished sequences, whose drops the builder sends with the next plan
-            plan = self.builder.build(schedule, self.step)
-            if plan is None:  # every running sequence waits for the step in flight
-                if launched is None:
-                    raise RuntimeError("scheduler made no progress (no sequence fits the KV pool)")
-                sampled, launched = self._sample(launched, timeline), None
-                continue
-            t3 = time.perf_counter()
-            broadcast_object(plan)
-            t4 = time.perf_counter()
-            staged = llm.runner.stage(plan)
-            t5 = time.perf_counter()
-            if launched is not None:  # the step in flight: its tokens are this plan's deferred inputs
-                sampled, launched = self._sample(launched, timeline), None
-            t6 = time.perf_counter()
-            timeline.mark(steps, "forward_start")
-            logits = llm.runner.launch(staged, sampled.tokens if sampled is not None else None)
-            timeline.mark(steps, "forward_end")
-            llm.step_progress.forward_issued()
-            launched = _Launched(schedule, logits, steps, self._queue_prompt_logprobs(schedule))
-            t7 = time.perf_counter()
-            if not self.llm.cfg.async_scheduling:
-                sampled, launched = self._sample(launched, timeline), None
-            t8 = time.perf_counter()
-            steps += 1
-            decode_steps += int(plan.is_decode)
-            self.step += 1
-            timer.add(plan.num_seqs, plan.num_tokens, plan.is_decode, wait=t1 - t0, postprocess=t2 - t1,
-                      schedule=t3 - t2, broadcast=t4 - t3, inputs=t5 - t4, sample=t6 - t5 + t8 - t7,
-                      forward=t7 - t6)
+        loop = _InFlight(StepTimer(), GpuTimeline(self.llm.device.type == "cuda"))
+        while self._step(loop):
+            pass
+        self._stop(loop)
+        self.outputs.sort(key=lambda o: o.index)
+        return self.outputs
+
+    def _step(self, loop: _InFlight) -> bool:
+        """One turn of the loop: collect the step sampled last, plan the next one and send it, stage its
+        inputs, sample the step in flight (its tokens are the new plan's deferred inputs), launch.
+        False once nothing is left to run."""
+        self.llm.step_progress.step(self.step)
+        clock = PhaseClock()
+        tokens = loop.sampled.host_tokens() if loop.sampled is not None else None  # waits for the GPU
+        clock.lap("wait")
+        if loop.sampled is not None:
+            self._postprocess(loop.sampled, tokens)
+            loop.sampled = None
+        clock.lap("postprocess")
+        if loop.launched is None and not self.scheduler.has_unfinished():
+            return False
+        schedule = self.scheduler.schedule()
+        # every schedule goes through the builder, even one that runs nothing: it may still have
+        # preempted or finished sequences, whose drops the builder sends with the next plan
+        plan = self.builder.build(schedule, self.step)
+        if plan is None:  # every running sequence waits for the step in flight
+            if loop.launched is None:
+                raise RuntimeError("scheduler made no progress (no sequence fits the KV pool)")
+            self._sample_in_flight(loop)
+            return True
+        clock.lap("schedule")
+        broadcast_object(plan)
+        clock.lap("broadcast")
+        staged = self.llm.runner.stage(plan)
+        clock.lap("inputs")
+        self._sample_in_flight(loop)
+        clock.lap("sample")
+        self._launch(loop, schedule, staged)
+        clock.lap("forward")
+        if not self.llm.cfg.async_scheduling:
+            self._sample_in_flight(loop)
+        clock.lap("sample")
+        loop.count(plan, clock)
+        self.step += 1
+        return True
+
+    def _launch(self, loop: _InFlight, schedule: ScheduleOutput, staged: StagedStep) -> None:
+        """Launch a staged step's forward; its inputs deferred to the step in flight take that step's tokens."""
+        loop.timeline.mark(loop.steps, "forward_start")
+        logits = self.llm.runner.launch(staged, loop.sampled.tokens if loop.sampled is not None else None)
+        loop.timeline.mark(loop.steps, "forward_end")
+        self.llm.step_progress.forward_issued()
+        loop.launched = _Launched(schedule, logits, loop.steps, self._queue_prompt_logprobs(schedule))
+
+    def _sample_in_flight(self, loop: _InFlight) -> None:
+        """Queue sampling of the launched step, if any: it becomes the sampled step."""
+        if loop.launched is not None:
+            loop.sampled, loop.launched = self._sample(loop.launched, loop.timeline), None
+
+    def _stop(self, loop: _InFlight) -> None:
+        """Send every rank the stop plan, then summarise the call's steps into `summary`."""
+        llm = self.llm
         stop = self.builder.stop_plan(self.step)
         broadcast_object(stop)
         llm.runner.apply_stop(stop)
         llm.step_progress.idle()
         self.bar.close()
-        timer.set_gpu_idle(timeline.idle_ms())
+        loop.timer.set_gpu_idle(loop.timeline.idle_ms())
         cached = sum(o.num_cached_tokens for o in self.outputs)
         preemptions = self.scheduler.num_preemptions - self.preemptions_before
-        self.summary = {"steps": steps, "decode_steps": decode_steps, "async_scheduling": llm.cfg.async_scheduling,
-                        "preemptions": preemptions, "cached_prompt_tokens": cached, "step_timing": timer.summary()}
+        self.summary = {"steps": loop.steps, "decode_steps": loop.decode_steps,
+                        "async_scheduling": llm.cfg.async_scheduling, "preemptions": preemptions,
+                        "cached_prompt_tokens": cached, "step_timing": loop.timer.summary()}
         log.info("generate: %d steps (%d decode), %d preemptions, %d prompt tokens from the prefix cache",
-                 steps, decode_steps, preemptions, cached)
-        self.outputs.sort(key=lambda o: o.index)
-        return self.outputs
+                 loop.steps, loop.decode_steps, preemptions, cached)
 
     def _sample(self, launched: _Launched, timeline: GpuTimeline) -> _Sampled:
         """Queue sampling of a launched step's logits and the copy of its tokens to the host."""
@@ -402,7 +428,7 @@ class _Generation:
 
     def _queue_prompt_logprobs(self, schedule: ScheduleOutput) -> "_PromptLogprobs | None":
         """Prompt logprobs of a launched step's prompt rows (rank 0; None when no request asked)."""
-        logits = getattr(self.llm.runner, "last_prompt_logits", None)
+        logits = self.llm.runner.last_prompt_logits
         if logits is None:
             return None
         spans: list[tuple[Sequence, int, int]] = []
@@ -452,7 +478,7 @@ class _Generation:
                 out.first_token_time = now
             out.token_times.append(now)
             by_seq[seq.seq_id] = int(token)
-        for seq in self.scheduler.postprocess(sampled.schedule, by_seq):
+        for seq in self.scheduler.postprocess(sampled.schedule, by_seq, self._stop_string):
             self._finish(seq)
             self.bar.update(1)
 
@@ -471,7 +497,6 @@ class _Generation:
         out.stop_reason = seq.stop_reason
         out.logprobs = self.logprobs.pop(seq.seq_id, None)
         out.prompt_logprobs = self.prompt_logprobs.pop(seq.seq_id, None)
-        out.finish_time = time.perf_counter() - self.start
         out.num_cached_tokens = seq.num_cached_tokens
         followed = self.texts.pop(seq.seq_id, None)
         if followed is not None and followed.match is not None:
@@ -479,6 +504,24 @@ class _Generation:
         else:
             out.text = self.decode(out.token_ids) if self.decode else None
         self.on_finish(out)
+
+
+@dataclass
+class _InFlight:
+    """The loop's steps between launch and collection, and its step counts (one generate call)."""
+
+    timer: StepTimer
+    timeline: GpuTimeline
+    launched: _Launched | None = None  # forward queued, logits not sampled yet
+    sampled: _Sampled | None = None  # tokens sampled on the device, not yet on the host
+    steps: int = 0
+    decode_steps: int = 0
+
+    def count(self, plan: StepPlan, clock: PhaseClock) -> None:
+        """Count a launched step and record its host phases."""
+        self.timer.add(plan.num_seqs, plan.num_tokens, plan.is_decode, **clock.seconds)
+        self.steps += 1
+        self.decode_steps += int(plan.is_decode)
 
 
 @dataclass

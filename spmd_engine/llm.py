@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
-from spmd_engine.config import ConfigError, engine_config_from_dict, startup_settings
+from spmd_engine.config import ConfigError, engine_config_from_dict, startup_settings, store_config_defaults
 from spmd_engine.core.requests import PromptRequest, RequestOutput
 from spmd_engine.core.sequence import SamplingParams
 from spmd_engine.distributed import (RankInfo, broadcast_object, destroy_process_group, discover_ranks,
@@ -58,6 +58,7 @@ def compose_config(model: str, overrides: dict[str, Any]) -> dict[str, Any]:
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
+    store_config_defaults()
     group = model if (CONF_DIR / "model" / f"{model}.yaml").is_file() else None
     hydra_overrides = [f"model={group}"] if group else []
     if GlobalHydra.instance().is_initialized():  # inside a Hydra app: its search path is this conf/
@@ -80,7 +81,7 @@ class LLM:
     """An offline engine: `LLM(model="smollm2", block_size=32).generate(prompts, SamplingParams(...))`.
 
     `model` is a conf/model group name (`smollm2`, `qwen3`, ...) or a checkpoint directory / hub id;
-    every other keyword is an engine key of conf/config.yaml (`block_size`, `gpu_memory_utilization`,
+    every other keyword is an engine key (`EngineConfig`, README "Keys": `block_size`, `gpu_memory_utilization`,
     `enforce_eager`, `device`, `sampling={...}`, ...). Collective: every rank constructs it the same.
     """
 

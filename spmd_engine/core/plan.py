@@ -152,42 +152,12 @@ class PlanBuilder:
         resets = np.zeros(num, dtype=np.bool_)
         counts = np.zeros(num, dtype=np.int32)
         new_ids: list[int] = []
-        inputs: list[int] = []
-        deferred_positions: list[int] = []
-        deferred_rows: list[int] = []
+        inputs = _Inputs()
         for b, (seq, start, n) in enumerate(
             zip(output.seqs, output.num_computed_before, output.num_new_tokens)
         ):
-            table = seq.block_table
-            held = self._sent.get(seq.seq_id)
-            if held is None:
-                resets[b], sent = True, 0
-            else:  # the consistency check: the mirrors' table must still be a prefix of this one
-                sent, last, preemptions = held
-                if preemptions != seq.num_preemptions or len(table) < sent or (sent and table[sent - 1] != last):
-                    raise _stale_table(held, seq, step)
-            if len(table) > sent:
-                new_ids.extend(table[sent:])
-                counts[b] = len(table) - sent
-                self._sent[seq.seq_id] = _SentTable(len(table), table[-1], seq.num_preemptions)
-            elif held is None:
-                self._sent[seq.seq_id] = _SentTable(0, -1, seq.num_preemptions)
-            known = seq.token_ids[start : start + n]
-            inputs.extend(known)
-            if len(known) < n:  # the last input is the token the previous step is sampling
-                row = self._sample_rows.get(seq.seq_id)
-                if len(known) != n - 1 or row is None:
-                    raise RuntimeError(f"seq {seq.seq_id}: {n - len(known)} unknown inputs, previous step "
-                                       f"sampled {'no' if row is None else 'one'} token for it")
-                deferred_positions.append(len(inputs))
-                deferred_rows.append(row)
-                inputs.append(0)
-        prompt_logits = _empty(np.int32)  # stays empty unless a request of the step asked for prompt logprobs
-        if any(s.params.prompt_logprobs is not None for s in output.seqs):
-            prompt_counts = [prompt_logit_count(s, start, n) for s, start, n in
-                             zip(output.seqs, output.num_computed_before, output.num_new_tokens)]
-            if any(prompt_counts):
-                prompt_logits = np.asarray(prompt_counts, dtype=np.int32)
+            resets[b], counts[b] = self._table_delta(seq, step, new_ids)
+            self._add_inputs(seq, start, n, inputs)
         prev_sampled = self._num_sampled
         sampled_ids = [s.seq_id for s, flag in zip(output.seqs, output.sample) if flag]
         self._sample_rows = {sid: row for row, sid in enumerate(sampled_ids)}
@@ -198,14 +168,68 @@ class PlanBuilder:
             seq_ids=np.fromiter((s.seq_id for s in output.seqs), dtype=np.int64, count=num),
             num_computed=np.asarray(output.num_computed_before, dtype=np.int32),
             query_lens=np.asarray(output.num_new_tokens, dtype=np.int32),
-            input_ids=np.asarray(inputs, dtype=np.int32),
+            input_ids=np.asarray(inputs.ids, dtype=np.int32),
             sample=np.asarray(output.sample, dtype=np.bool_),
             reset_tables=resets,
             new_block_counts=counts,
             new_block_ids=np.asarray(new_ids, dtype=np.int32),
             dropped_seq_ids=np.asarray(dropped, dtype=np.int64),
-            deferred_positions=np.asarray(deferred_positions, dtype=np.int32),
-            deferred_rows=np.asarray(deferred_rows, dtype=np.int32),
-            num_prev_sampled=prev_sampled if deferred_positions else 0,
-            prompt_logits=prompt_logits,
+            deferred_positions=np.asarray(inputs.deferred_positions, dtype=np.int32),
+            deferred_rows=np.asarray(inputs.deferred_rows, dtype=np.int32),
+            num_prev_sampled=prev_sampled if inputs.deferred_positions else 0,
+            prompt_logits=_prompt_logits(output),
         )
+
+    def _table_delta(self, seq: Sequence, step: int, new_ids: list[int]) -> tuple[bool, int]:
+        """Append to `new_ids` the blocks of `seq`'s table the mirrors lack; returns (reset the mirrors'
+        table first, number of blocks appended). Raises if the mirrors' table is no longer a prefix of
+        the scheduler's (a lost drop)."""
+        table = seq.block_table
+        held = self._sent.get(seq.seq_id)
+        if held is None:
+            reset, sent = True, 0
+        else:  # the consistency check: the mirrors' table must still be a prefix of this one
+            reset, (sent, last, preemptions) = False, held
+            if preemptions != seq.num_preemptions or len(table) < sent or (sent and table[sent - 1] != last):
+                raise _stale_table(held, seq, step)
+        if len(table) > sent:
+            new_ids.extend(table[sent:])
+            self._sent[seq.seq_id] = _SentTable(len(table), table[-1], seq.num_preemptions)
+            return reset, len(table) - sent
+        if held is None:
+            self._sent[seq.seq_id] = _SentTable(0, -1, seq.num_preemptions)
+        return reset, 0
+
+    def _add_inputs(self, seq: Sequence, start: int, n: int, inputs: _Inputs) -> None:
+        """The step's `n` input ids of `seq` from position `start`; the last one is deferred when it is
+        the token the previous step is sampling."""
+        known = seq.token_ids[start : start + n]
+        inputs.ids.extend(known)
+        if len(known) < n:  # the last input is the token the previous step is sampling
+            row = self._sample_rows.get(seq.seq_id)
+            if len(known) != n - 1 or row is None:
+                raise RuntimeError(f"seq {seq.seq_id}: {n - len(known)} unknown inputs, previous step "
+                                   f"sampled {'no' if row is None else 'one'} token for it")
+            inputs.deferred_positions.append(len(inputs.ids))
+            inputs.deferred_rows.append(row)
+            inputs.ids.append(0)
+
+
+@dataclass
+class _Inputs:
+    """A plan's input ids as they are gathered, and which of them the previous step's tokens fill."""
+
+    ids: list[int] = field(default_factory=list)
+    deferred_positions: list[int] = field(default_factory=list)
+    deferred_rows: list[int] = field(default_factory=list)
+
+
+def _prompt_logits(output: ScheduleOutput) -> np.ndarray:
+    """Per sequence, how many rows also need logits for prompt logprobs; empty unless some request of
+    the step asked for them."""
+    if any(s.params.prompt_logprobs is not None for s in output.seqs):
+        prompt_counts = [prompt_logit_count(s, start, n) for s, start, n in
+                         zip(output.seqs, output.num_computed_before, output.num_new_tokens)]
+        if any(prompt_counts):
+            return np.asarray(prompt_counts, dtype=np.int32)
+    return _empty(np.int32)

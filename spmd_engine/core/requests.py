@@ -29,7 +29,6 @@ class RequestOutput:
     error: str | None = None
     # timing (seconds, relative to the generate call's start); not written to outputs.jsonl
     first_token_time: float | None = field(default=None, repr=False)
-    finish_time: float | None = field(default=None, repr=False)
     token_times: list[float] = field(default_factory=list, repr=False)
     num_cached_tokens: int = field(default=0, repr=False)
     # written only when set, so rows of requests that use none of them keep their fields
@@ -40,7 +39,7 @@ class RequestOutput:
 
     def to_json(self) -> dict:
         d = asdict(self)
-        for k in ("first_token_time", "finish_time", "token_times", "num_cached_tokens"):
+        for k in ("first_token_time", "token_times", "num_cached_tokens"):
             d.pop(k)
         for k in OPTIONAL_FIELDS:
             if d[k] is None:

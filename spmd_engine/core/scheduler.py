@@ -27,6 +27,8 @@ from spmd_engine.core.sequence import (
 
 logger = logging.getLogger(__name__)
 
+StopStringCheck = Callable[[Sequence, int], str | None]  # (seq, its new token) -> the stop string it completed
+
 
 @dataclass
 class SchedulerConfig:
@@ -113,9 +115,6 @@ class Scheduler:
         self._unfinished: dict[int, Sequence] = {}
         self._left_since_schedule: list[int] = []
         self.num_preemptions = 0
-        # (sequence, its new token) -> the stop string the token completed, or None: the engine's
-        # incremental detokenizer (spmd_engine/detokenizer.py), for sequences with `stop` strings
-        self.stop_string_check: Callable[[Sequence, int], str | None] | None = None
 
     @property
     def num_waiting(self) -> int:
@@ -156,10 +155,16 @@ class Scheduler:
     def schedule(self) -> ScheduleOutput:
         out = ScheduleOutput(finished_seq_ids=self._left_since_schedule)
         self._left_since_schedule = []
-        token_budget = self.config.max_num_batched_tokens
-        bm = self.block_manager
+        token_budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        num_admitted = self._admit_waiting(out, token_budget)
+        if logger.isEnabledFor(logging.DEBUG):
+            self._log_schedule(out, num_admitted)
+        return out
 
-        # 1. running sequences, in admission order: decodes take 1 token, prefills their next chunk
+    def _schedule_running(self, out: ScheduleOutput, token_budget: int) -> int:
+        """Running sequences, in admission order: decodes take 1 token, prefills their next chunk; when
+        blocks run out the most recently admitted is preempted. Returns the token budget left."""
+        bm = self.block_manager
         i = 0
         while i < len(self.running) and token_budget > 0:
             seq = self.running[i]
@@ -177,8 +182,12 @@ class Scheduler:
                 out._add(seq, num_new)
                 token_budget -= num_new
                 i += 1
+        return token_budget
 
-        # 2. admit waiting sequences FCFS (not after a preemption: the pool is tight right now)
+    def _admit_waiting(self, out: ScheduleOutput, token_budget: int) -> int:
+        """Admit waiting sequences FCFS (not after a preemption: the pool is tight right now); returns
+        how many were admitted."""
+        bm = self.block_manager
         num_admitted = 0
         while (
             self.waiting
@@ -200,20 +209,24 @@ class Scheduler:
             out._add(seq, num_new)
             token_budget -= num_new
             num_admitted += 1
+        return num_admitted
 
-        if logger.isEnabledFor(logging.DEBUG):
-            num_decode = sum(1 for n, c in zip(out.num_new_tokens, out.num_computed_before) if n == 1 and c > 0)
-            logger.debug(
-                "schedule: %d seqs (%d decode, %d prefill, %d admitted), %d tokens, %d preempted, "
-                "waiting=%d running=%d free_blocks=%d",
-                out.num_seqs, num_decode, out.num_seqs - num_decode, num_admitted, out.num_tokens,
-                len(out.preempted), len(self.waiting), len(self.running), bm.num_free_blocks,
-            )
-        return out
+    def _log_schedule(self, out: ScheduleOutput, num_admitted: int) -> None:
+        num_decode = sum(1 for n, c in zip(out.num_new_tokens, out.num_computed_before) if n == 1 and c > 0)
+        logger.debug(
+            "schedule: %d seqs (%d decode, %d prefill, %d admitted), %d tokens, %d preempted, "
+            "waiting=%d running=%d free_blocks=%d",
+            out.num_seqs, num_decode, out.num_seqs - num_decode, num_admitted, out.num_tokens,
+            len(out.preempted), len(self.waiting), len(self.running), self.block_manager.num_free_blocks,
+        )
 
-    def postprocess(self, output: ScheduleOutput, sampled: dict[int, int]) -> list[Sequence]:
+    def postprocess(self, output: ScheduleOutput, sampled: dict[int, int],
+                    stop_string_check: StopStringCheck | None = None) -> list[Sequence]:
         """Take a step's sampled tokens (seq_id -> token) once they are on the host: cache the blocks
-        the step completed, append the tokens, finish sequences; return the newly finished."""
+        the step completed, append the tokens, finish sequences; return the newly finished.
+
+        `stop_string_check(seq, token)`: the stop string the token completed, or None; the caller's
+        incremental detokenizer (core/detokenizer.py), asked for sequences with `stop` strings."""
         finished: list[Sequence] = []
         for seq, before, num_new, sample in zip(output.seqs, output.num_computed_before, output.num_new_tokens,
                                                 output.sample):
@@ -226,7 +239,7 @@ class Scheduler:
             token = sampled[seq.seq_id]
             seq.num_pending_tokens -= 1
             seq.append_token(token)
-            reason = self._stop_reason(seq, token)
+            reason = self._stop_reason(seq, token, stop_string_check)
             if reason is not None:
                 if seq.status is SequenceStatus.WAITING:
                     self.waiting.remove(seq)
@@ -243,7 +256,7 @@ class Scheduler:
         outputs = seq.num_output_tokens + seq.num_pending_tokens
         return outputs >= seq.params.max_tokens or seq.num_planned_tokens >= self.config.max_model_len
 
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+    def _stop_reason(self, seq: Sequence, token: int, stop_string_check: StopStringCheck | None) -> str | None:
         """EOS, a stop token, a stop string (none before min_tokens), then the length limits. A sequence
         finished here that has a speculative step in flight drops its token, whatever stopped it."""
         params = seq.params
@@ -253,8 +266,8 @@ class Scheduler:
             if params.stop_token_ids and token in params.stop_token_ids:
                 seq.stop_reason = token
                 return FINISH_STOP
-        if params.stop and self.stop_string_check is not None:
-            matched = self.stop_string_check(seq, token)  # fed every token: it follows the text
+        if params.stop and stop_string_check is not None:
+            matched = stop_string_check(seq, token)  # fed every token: it follows the text
             if matched is not None:
                 seq.stop_reason = matched
                 return FINISH_STOP

@@ -31,8 +31,7 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed tak
 class SamplingParams:
     """How to pick tokens for one request: the one definition of the sampling parameters and their
     defaults (the public `SamplingParams`, the job's `sampling.*`, a prompts-file row's overrides).
-    conf/config.yaml lists the same keys and values so that `sampling.KEY=VALUE` overrides exist on the
-    command line; tests/spmd_engine/test_config.py checks that the two agree."""
+    The composed config's `sampling.*` keys and values come from here (spmd_engine.config.config_defaults)."""
 
     temperature: float = 0.6  # 0 = greedy
     top_p: float = 0.95  # nucleus mass in (0, 1]; 1 = off
@@ -108,10 +107,6 @@ class SamplingParams:
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 raise ValueError(f"sampling.{name} must be an integer in [0, {MAX_LOGPROBS}] or null, got {value!r}")
         return self
-
-    @property
-    def top_k_enabled(self) -> bool:
-        return self.top_k > 0
 
     @classmethod
     def from_dict(
@@ -189,10 +184,6 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
-
-    @property
-    def last_token_id(self) -> int:
-        return self.token_ids[-1]
 
     @property
     def is_finished(self) -> bool:

@@ -27,9 +27,6 @@ class Phase(NamedTuple):
     def elapsed(self, now: float) -> float:
         return now - self.since
 
-    def overdue(self, now: float) -> bool:
-        return self.timeout_s is not None and now - self.since > self.timeout_s
-
 
 class StepProgress:
     """Written by the main thread only; `timeout_s` is the job's dist_timeout_s (None: never watched)."""

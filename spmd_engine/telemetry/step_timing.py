@@ -7,12 +7,28 @@ so the host plan work (schedule, broadcast, inputs) says how busy the host is, a
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
 PHASES = ("wait", "postprocess", "schedule", "broadcast", "inputs", "sample", "forward")
 HOST_PLAN_PHASES = ("schedule", "broadcast", "inputs")  # building, sending and staging the plan
+
+
+class PhaseClock:
+    """One step's host phases as laps of one clock, so no gap between two phases goes uncounted:
+    `lap(phase)` charges the time since the previous lap (or the start) to `phase`; a phase may lap
+    more than once (the sum is kept)."""
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self._last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] += now - self._last
+        self._last = now
 
 
 @dataclass

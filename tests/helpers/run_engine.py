@@ -148,13 +148,14 @@ def generate_in_process(args: list[str]) -> list[list[int]]:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from spmd_engine.config import engine_config_from_dict
+    from spmd_engine.config import engine_config_from_dict, store_config_defaults
     from spmd_engine.distributed import RankInfo
     from spmd_engine.engine import Engine
     from spmd_engine.job.prompts import load_tokenizer
     from spmd_engine.job.workloads import build_requests
 
     overrides = [a for a in args if not a.startswith("hydra.")]
+    store_config_defaults()
     with initialize_config_dir(version_base="1.3", config_dir=str(REPO / "conf")):
         raw = OmegaConf.to_container(compose(config_name="config", overrides=overrides), resolve=True)
     cfg = engine_config_from_dict(raw)

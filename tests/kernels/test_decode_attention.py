@@ -6,8 +6,8 @@ from spmd_engine.kernels.decode_attention import (
     decode_num_splits,
     default_decode_config,
     paged_decode_attention,
-    supports,
 )
+from spmd_engine.kernels.attention_support import supports_shape as supports
 from spmd_engine.kernels.reference import paged_attention_reference
 from tests.kernels.paged_batch import DEVICE, ON_GPU, gpu_case, make_paged_batch, rel_error
 

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from spmd_engine.kernels.prefill_attention import default_prefill_config, paged_prefill_attention, supports
+from spmd_engine.kernels.attention_support import supports_shape as supports
+from spmd_engine.kernels.prefill_attention import default_prefill_config, paged_prefill_attention
 from spmd_engine.kernels.reference import paged_attention_reference
 from tests.kernels.paged_batch import DEVICE, gpu_case, make_paged_batch, rel_error
 

@@ -41,6 +41,7 @@ class FakeRunner:
         self.mirror = BlockTableMirror(max_blocks, block_size)
         self.others = [BlockTableMirror(max_blocks, block_size) for _ in range(NUM_OTHER_RANKS)]
         self.logits = torch.Generator().manual_seed(seed)
+        self.last_prompt_logits: torch.Tensor | None = None  # no request here asks for prompt logprobs
         self.scheduler = None  # the generation's, set once it exists
         self.checked_steps = 0
         self.idle_preemptions = 0

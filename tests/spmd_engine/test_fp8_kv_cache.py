@@ -52,6 +52,9 @@ def test_the_command_line_key_reaches_the_engine_config():
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
+    from spmd_engine.config import store_config_defaults
+
+    store_config_defaults()
     conf = Path(__file__).resolve().parents[2] / "conf"
     with initialize_config_dir(version_base="1.3", config_dir=str(conf)):
         default = OmegaConf.to_container(compose(config_name="config"), resolve=True)

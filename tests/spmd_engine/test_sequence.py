@@ -6,7 +6,6 @@ from spmd_engine.core.sequence import SamplingParams, Sequence, SequenceStatus
 def test_defaults_are_valid():
     p = SamplingParams().validate()
     assert (p.temperature, p.top_p, p.top_k, p.max_tokens, p.ignore_eos, p.seed) == (0.6, 0.95, -1, 256, False, None)
-    assert not p.top_k_enabled
 
 
 @pytest.mark.parametrize(
@@ -34,8 +33,7 @@ def test_validate_names_field_and_limit(kwargs, message):
 
 @pytest.mark.parametrize("top_k", [-1, 0, 1, 50])
 def test_top_k_off_values_accepted(top_k):
-    p = SamplingParams(top_k=top_k).validate()
-    assert p.top_k_enabled == (top_k > 0)
+    assert SamplingParams(top_k=top_k).validate().top_k == top_k
 
 
 def test_from_dict_overrides_defaults():
@@ -63,7 +61,6 @@ def test_sequence_tokens():
     assert seq.token_ids == [1, 2, 3, 9, 4]
     assert seq.output_token_ids == [9, 4]
     assert seq.prompt_token_ids == [1, 2, 3]
-    assert seq.last_token_id == 4
     assert (seq.num_computed_tokens, seq.block_table, seq.finish_reason) == (0, [], None)
 
 

@@ -1,6 +1,7 @@
 import pytest
 
-from spmd_engine.telemetry.step_timing import PHASES, StepTimer
+import spmd_engine.telemetry.step_timing as step_timing
+from spmd_engine.telemetry.step_timing import PHASES, PhaseClock, StepTimer
 
 
 def phases(**values):
@@ -40,3 +41,17 @@ def test_gpu_idle_is_summarised_over_the_steps_that_have_it():
     assert full["host_plan_fraction"] == pytest.approx(0.2)
     with pytest.raises(ValueError, match="2 GPU idle times for 3 steps"):
         timer.set_gpu_idle([0.1, 0.2])
+
+
+def test_a_phase_clock_charges_every_gap_to_the_next_lap_and_sums_repeated_phases(monkeypatch):
+    ticks = iter([10.0, 10.5, 11.0, 13.0, 13.25])
+    monkeypatch.setattr(step_timing.time, "perf_counter", lambda: next(ticks))
+    clock = PhaseClock()  # starts at 10.0
+    clock.lap("wait")
+    clock.lap("sample")
+    clock.lap("forward")
+    clock.lap("sample")  # the step's second sampling (synchronous scheduling) adds to the first
+    assert clock.seconds == phases(wait=0.5, sample=0.75, forward=2.0)
+    timer = StepTimer()
+    timer.add(1, 1, True, **clock.seconds)
+    assert timer.summary()["all"]["step_ms"] == pytest.approx(3250.0)
