@@ -60,6 +60,7 @@ class EngineConfig:
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"  # auto (the model dtype) | fp8 (float8_e4m3fn, per-head scales)
     tp_reduce_dtype: str = "float32"  # float32 | model: dtype of the row-parallel all-reduce sums
+    small_batch_gemv: bool = True  # CUDA matmuls of <= 16 rows (small-batch decode) by the Triton split-K GEMV
     seed: int = 0
     tensor_parallel_size: int | None = None
     dist_timeout_s: float = 45.0

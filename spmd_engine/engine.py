@@ -116,6 +116,7 @@ class Engine:
     """One engine instance per rank; `generate` is collective (every rank calls it)."""
 
     def __init__(self, cfg: EngineConfig, ranks: RankInfo, step_progress: StepProgress | None = None) -> None:
+        from spmd_engine.models.layers.linear import set_small_batch_gemv
         from spmd_engine.models.loader import load_dummy_weights, load_safetensors_weights
         from spmd_engine.models.parallel import TensorParallel
         from spmd_engine.models.registry import build_model
@@ -149,6 +150,7 @@ class Engine:
         else:
             load_safetensors_weights(self.model, self.source.checkpoint_dir)
         self.model.eval()
+        set_small_batch_gemv(self.model, cfg.small_batch_gemv)
         log.info("model %s loaded (%s, %s, attention=%s, tp=%d) in %.1f s", cfg.model.name,
                  self.source.checkpoint_dir or "dummy weights", str(self.dtype).replace("torch.", ""),
                  backend, ranks.world_size, time.perf_counter() - started)
