@@ -91,13 +91,16 @@ def _gemv_kernel(
     rows_m = tl.arange(0, BLOCK_M)
     n_ok = rows_n < N
     m_ok = rows_m < M
-    w_rows = w + (rows_n if EVEN_N else tl.where(n_ok, rows_n, 0)).to(tl.int64)[:, None] * stride_wn
+    w_ids = rows_n
+    if not EVEN_N:
+        w_ids = tl.where(n_ok, rows_n, 0)  # the last tile re-reads row 0 instead of masking every load
+    w_rows = w + w_ids.to(tl.int64)[:, None] * stride_wn
     x_rows = x + rows_m.to(tl.int64)[:, None] * stride_xm
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
+        cols = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)  # wide loads
         if EVEN_K:
             w_tile = tl.load(w_rows + cols[None, :])
             x_tile = tl.load(x_rows + cols[None, :], mask=m_ok[:, None], other=0.0)
