@@ -29,6 +29,7 @@ MODELS = {"qwen3": (28, 1024, 2048, 1024, 3072, 151936), "qwen3_8b": (36, 4096, 
 BATCHES = (1, 2, 4, 8, 16)
 MIN_BYTES = 256 << 20  # weight bytes per timed graph: far above the H200's 50 MB L2
 DTYPE = torch.bfloat16
+DEVICE = "cuda"
 
 
 def model_shapes(name: str) -> dict[str, tuple[int, int, int]]:
@@ -49,13 +50,14 @@ class Case:
     def __init__(self, n: int, k: int) -> None:
         self.n, self.k = n, k
         copies = max(1, -(-MIN_BYTES // (n * k * 2)))
-        self.weights = [torch.randn(n, k, device="cuda", dtype=DTYPE) * k**-0.5 for _ in range(copies)]
-        self.xs = {m: torch.randn(m, k, device="cuda", dtype=DTYPE) for m in BATCHES}
+        self.weights = [torch.randn(n, k, device=DEVICE, dtype=DTYPE) * k**-0.5 for _ in range(copies)]
+        self.xs = {m: torch.randn(m, k, device=DEVICE, dtype=DTYPE) for m in BATCHES}
 
     def bytes(self, m: int) -> int:
         return 2 * (self.n * self.k + m * self.k + m * self.n)
 
     def time(self, m: int, kind: str, config: GemvConfig | None = None) -> float:
+        """kind: cublas | gemv | gemv2 (split-K summed by a second launch)."""
         x = self.xs[m]
         if kind == "cublas":
             def run():
@@ -64,29 +66,33 @@ class Case:
         else:
             def run():
                 for w in self.weights:
-                    gemv(x, w, config=config)
+                    gemv(x, w, config=config, one_launch=kind == "gemv")
         return graph_us(run, len(self.weights))
 
 
 def compare(name: str) -> None:
     print(f"\n{name} ({DTYPE}): µs per matmul (GB/s of W + x + y)")
-    print(f"{'proj':>8} {'N':>7} {'K':>6} {'M':>3} {'cuBLAS':>17} {'gemv':>17} {'speed-up':>9}  config")
-    totals = {m: [0.0, 0.0] for m in BATCHES}
+    print("(gemv 2-launch: split-K summed by a second kernel, SPLIT_K_ONE_LAUNCH=False)")
+    print(f"{'proj':>8} {'N':>7} {'K':>6} {'M':>3} {'cuBLAS':>15} {'gemv':>15} {'gemv 2-launch':>15} "
+          f"{'speed-up':>9}  config")
+    totals = {m: [0.0, 0.0, 0.0] for m in BATCHES}
     for proj, (n, k, count) in model_shapes(name).items():
         case = Case(n, k)
         cfg = gemv_config(n, k, 2)
         for m in BATCHES:
-            t_cublas, t_gemv = case.time(m, "cublas"), case.time(m, "gemv")
-            totals[m][0] += count * t_cublas
-            totals[m][1] += count * t_gemv
-            gbs = [case.bytes(m) / t / 1e3 for t in (t_cublas, t_gemv)]
-            print(f"{proj:>8} {n:>7} {k:>6} {m:>3} {t_cublas:>8.1f} ({gbs[0]:>5.0f}) {t_gemv:>8.1f} ({gbs[1]:>5.0f}) "
-                  f"{t_cublas / t_gemv:>8.2f}x  {cfg.block_n}x{cfg.block_k} split {cfg.split_k}")
+            times = [case.time(m, kind) for kind in ("cublas", "gemv", "gemv2")]
+            cells = []
+            for i, t in enumerate(times):
+                totals[m][i] += count * t
+                cells.append(f"{t:>7.1f} ({case.bytes(m) / t / 1e3:>5.0f})")
+            print(f"{proj:>8} {n:>7} {k:>6} {m:>3} {' '.join(cells)} {times[0] / times[1]:>8.2f}x  "
+                  f"{cfg.block_n}x{cfg.block_k} split {cfg.split_k}")
         del case
         torch.cuda.empty_cache()
     print(f"{name}: one decode step's matmuls (layers x 4 + LM head), ms")
-    for m, (t_cublas, t_gemv) in totals.items():
-        print(f"  M={m:>2}: cuBLAS {t_cublas / 1e3:.3f}  gemv {t_gemv / 1e3:.3f}  saved {(t_cublas - t_gemv) / 1e3:+.3f}")
+    for m, (t_cublas, t_gemv, t_gemv2) in totals.items():
+        print(f"  M={m:>2}: cuBLAS {t_cublas / 1e3:.3f}  gemv {t_gemv / 1e3:.3f}  gemv 2-launch {t_gemv2 / 1e3:.3f}  "
+              f"saved {(t_cublas - t_gemv) / 1e3:+.3f}")
 
 
 def candidates(n: int, k: int) -> list[GemvConfig]:

@@ -7,10 +7,13 @@ Design:
 - One program owns a tile of BLOCK_N weight rows x one K slice and computes it for ALL M rows at
   once (`tl.dot` of the W tile [BLOCK_N, BLOCK_K] with x^T [BLOCK_K, BLOCK_M], "swap AB" so the
   weight rows are the MMA's long side): W is read exactly once whatever M is.
-- Split-K without atomics: with `split_k > 1` program (n, s) writes its float32 partial sum to a
-  workspace [split_k, M, N] and a second launch adds the splits in order 0, 1, ..., then the bias,
-  then rounds to the output dtype. With `split_k == 1` (N tiles alone fill the GPU, e.g. the LM
-  head) one program loops over the whole K and writes the output directly.
+- Split-K without float atomics: with `split_k > 1` program (n, s) writes its float32 partial sum
+  to a workspace [split_k, M, N]; the splits are then added in the fixed order 0, 1, ..., the bias
+  added, and the sum rounded to the output dtype. Who adds them (the sum is the same bits either
+  way, `SPLIT_K_ONE_LAUNCH`): the last program of the N tile to finish (it counts arrivals on an
+  int32 counter per N tile, and resets it), saving the second launch that a decode step would pay
+  ~110 times; or a second, tiny launch. With `split_k == 1` (N tiles alone fill the GPU, e.g. the
+  LM head) one program loops over the whole K and writes the output directly.
 - Output: the activation dtype, or float32 (row-parallel partial sums before the TP all-reduce,
   float32 logits).
 
@@ -38,6 +41,10 @@ GEMV_MAX_M = 16  # the kernel's BLOCK_M: the largest M it takes (tl.dot needs a 
 TARGET_PROGRAMS = 264  # programs wanted per launch (2 per SM of an H200's 132): more splits below it
 MIN_K_PER_SPLIT = 256  # elements of K per split at the least (fewer: the partials cost more than they save)
 REDUCE_BLOCK = 256  # output columns per program of the split-sum pass
+# Split-K sums by the last program of each N tile (True) or by a second launch (False); same bits.
+# The arrival counters are one int32 per N tile per device, shared by every call: GEMVs must not run
+# concurrently on two streams of one device (the engine runs its forward on one stream).
+SPLIT_K_ONE_LAUNCH = True
 
 
 @dataclass(frozen=True)
@@ -77,13 +84,32 @@ def gemv_config(n: int, k: int, elem_bytes: int) -> GemvConfig:
     return GEMV_TABLE.get((n, k, elem_bytes)) or _heuristic_config(n, k, elem_bytes)
 
 
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []  # kept alive: CUDA graphs captured earlier still point at them
+
+
+def _split_counters(device: torch.device, count: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters (every kernel leaves them zero), allocated once per device,
+    before any CUDA-graph capture: the first call of each shape is an eager warm-up."""
+    counters = _COUNTERS.get(device)
+    if counters is None or counters.numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("gemv: split-K counters must be allocated before CUDA-graph capture "
+                               "(run the model once eagerly first)")
+        if counters is not None:
+            _OUTGROWN.append(counters)
+        counters = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[device] = counters
+    return counters
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(
-    x, w, bias, out, partial,
+    x, w, bias, out, partial, counters,
     M, N, K, stride_xm, stride_wn, stride_om, k_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, ONE_LAUNCH: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -117,8 +143,28 @@ def _gemv_kernel(
         tl.store(out + rows_m.to(tl.int64)[:, None] * stride_om + rows_n[None, :], y.to(out.dtype.element_ty),
                  mask=mask)
     else:
-        slab = partial + (pid_k * M).to(tl.int64) * N
-        tl.store(slab + rows_m.to(tl.int64)[:, None] * N + rows_n[None, :], y, mask=mask)
+        offsets = rows_m.to(tl.int64)[:, None] * N + rows_n[None, :]
+        slab = M.to(tl.int64) * N
+        tl.store(partial + pid_k * slab + offsets, y, mask=mask)
+        if ONE_LAUNCH:
+            tl.debug_barrier()  # every thread's partial is stored before the arrival is counted
+            arrived = tl.atomic_add(counters + pid_n, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT - 1:  # the N tile's last split: the others' partials are visible
+                total = _sum_splits(partial, offsets, mask, slab, SPLIT)
+                if HAS_BIAS:
+                    total += tl.load(bias + rows_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+                tl.store(out + rows_m.to(tl.int64)[:, None] * stride_om + rows_n[None, :],
+                         total.to(out.dtype.element_ty), mask=mask)
+                tl.store(counters + pid_n, 0)  # ready for the next call (the next launch sees it)
+
+
+@triton.jit
+def _sum_splits(partial, offsets, mask, slab, SPLIT: tl.constexpr):
+    """partial[0] + partial[1] + ... in this order, read from L2 (`.cg`: never a stale L1 line)."""
+    total = tl.load(partial + offsets, mask=mask, other=0.0, cache_modifier=".cg")
+    for s in tl.static_range(1, SPLIT):
+        total += tl.load(partial + s * slab + offsets, mask=mask, other=0.0, cache_modifier=".cg")
+    return total
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -129,9 +175,7 @@ def _gemv_split_sum_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
-    acc = tl.load(partial + row * N + cols, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLIT):  # fixed order: splits 0, 1, 2, ...
-        acc += tl.load(partial + (s * M + row) * N + cols, mask=mask, other=0.0)
+    acc = _sum_splits(partial, row * N + cols, mask, M.to(tl.int64) * N, SPLIT)
     if HAS_BIAS:
         acc += tl.load(bias + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out + row * stride_om + cols, acc.to(out.dtype.element_ty), mask=mask)
@@ -143,6 +187,7 @@ def gemv(
     bias: torch.Tensor | None = None,  # [N]
     out_dtype: torch.dtype | None = None,  # None: x.dtype; or torch.float32
     config: GemvConfig | None = None,  # None: gemv_config(N, K, element size); benchmarks pass others
+    one_launch: bool | None = None,  # None: SPLIT_K_ONE_LAUNCH
 ) -> torch.Tensor:
     """x @ weight^T (+ bias) accumulated in float32, rounded once to `out_dtype`; shape [..., N]."""
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or weight.dtype != x.dtype:
@@ -168,15 +213,18 @@ def gemv(
     out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     bias_arg = bias if bias is not None else weight
-    _gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
-        x2, weight, bias_arg, out, partial,
+    n_tiles = triton.cdiv(n, cfg.block_n)
+    one_launch = (SPLIT_K_ONE_LAUNCH if one_launch is None else one_launch) and split > 1
+    counters = _split_counters(x.device, n_tiles) if one_launch else partial
+    _gemv_kernel[(n_tiles, split)](
+        x2, weight, bias_arg, out, partial, counters,
         m, n, k, x2.stride(0), weight.stride(0), out.stride(0), k_per_split,
-        BLOCK_M=GEMV_MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split,
+        BLOCK_M=GEMV_MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split, ONE_LAUNCH=one_launch,
         HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0,
         PRECISION="ieee" if x.dtype == torch.float32 else None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if split > 1:
+    if split > 1 and not one_launch:
         _gemv_split_sum_kernel[(m, triton.cdiv(n, REDUCE_BLOCK))](
             partial, bias_arg, out, m, n, out.stride(0),
             SPLIT=split, HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK, num_warps=4,

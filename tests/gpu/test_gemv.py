@@ -36,6 +36,17 @@ def test_matches_cublas_and_rows_do_not_depend_on_m(n, k, dtype):
         assert torch.equal(gemv(x[:m], w, b), full[:m]), m
         assert torch.equal(gemv(x[:m], w, b, out_dtype=torch.float32), full32[:m]), m
     assert torch.equal(gemv(x, w, b), full)  # reruns too
+    assert torch.equal(gemv(x, w, b, one_launch=False), full)  # the split sum by a second launch: same bits
+
+
+def test_split_sums_by_the_last_program_are_race_free():
+    """Many calls of split-K shapes back to back (each N tile's last program sums the partials and
+    resets its counter): every result is the same bits as the two-launch sum."""
+    for n, k in [(1024, 3072), (4096, 1024)]:
+        x, w, b = operands(n, k, torch.bfloat16, rows=7, seed=n)
+        expected = gemv(x, w, b, out_dtype=torch.float32, one_launch=False)
+        outs = [gemv(x, w, b, out_dtype=torch.float32, one_launch=True) for _ in range(200)]
+        assert all(torch.equal(o, expected) for o in outs)
 
 
 def test_float32_activations_are_exact_enough():

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from spmd_engine.kernels import gemv as gemv_module
 from spmd_engine.kernels.gemv import GEMV_MAX_M, GemvConfig, gemv, gemv_config
 from spmd_engine.kernels.reference import linear_reference
 from tests.kernels.paged_batch import DEVICE
@@ -51,6 +52,19 @@ def test_rows_do_not_depend_on_the_batch_size(config):
     assert torch.equal(gemv(x[:3], w, b, config=config), full[:3])
     assert torch.equal(gemv(x[2:3], w, b, config=config), full[2:3])
     assert torch.equal(gemv(x, w, b, config=config), full)
+
+
+@pytest.mark.parametrize("config", [SPLIT3, SPLIT3_RAGGED], ids=["split3", "split3-ragged-k"])
+def test_split_sum_in_one_launch_equals_the_second_launch(config):
+    """The last program of an N tile adds the splits in the same order as the separate pass, and
+    leaves the arrival counters at zero for the next call."""
+    x, w, b = operands(3, 40, 80, torch.float16, seed=4, bias=True)
+    one = gemv(x, w, b, out_dtype=torch.float32, config=config, one_launch=True)
+    assert not gemv_module._COUNTERS[x.device].any()
+    two = gemv(x, w, b, out_dtype=torch.float32, config=config, one_launch=False)
+    assert torch.equal(one, two)
+    assert torch.equal(gemv(x, w, b, config=config, one_launch=True), two.half())
+    torch.testing.assert_close(one, linear_reference(x, w, b, torch.float32), atol=1e-5, rtol=1e-5)
 
 
 def test_default_config_and_leading_dims():
