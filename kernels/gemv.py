@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from spmd_engine.kernels.silu_and_mul import silu_mul
+
 GEMV_MAX_M = 16  # the kernel's BLOCK_M: the largest M it takes (tl.dot needs a dim >= 16)
 TARGET_PROGRAMS = 264  # programs wanted per launch (2 per SM of an H200's 132): more splits below it
 MIN_K_PER_SPLIT = 256  # elements of K per split at the least (fewer: the partials cost more than they save)
@@ -109,7 +111,7 @@ def _gemv_kernel(
     M, N, K, stride_xm, stride_wn, stride_om, k_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, ONE_LAUNCH: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    EVEN_N: tl.constexpr, PRECISION: tl.constexpr,
+    EVEN_N: tl.constexpr, PRECISION: tl.constexpr, GATED: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -129,11 +131,15 @@ def _gemv_kernel(
         cols = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)  # wide loads
         if EVEN_K:
             w_tile = tl.load(w_rows + cols[None, :])
-            x_tile = tl.load(x_rows + cols[None, :], mask=m_ok[:, None], other=0.0)
+            x_mask = m_ok[:, None]
         else:
             k_ok = cols < K
             w_tile = tl.load(w_rows + cols[None, :], mask=k_ok[None, :], other=0.0)
-            x_tile = tl.load(x_rows + cols[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            x_mask = m_ok[:, None] & k_ok[None, :]
+        x_tile = tl.load(x_rows + cols[None, :], mask=x_mask, other=0.0)
+        if GATED:  # x rows are [gate | up] of width 2K: the input is silu(gate) * up, as silu_and_mul rounds it
+            x_tile = silu_mul(x_tile, tl.load(x_rows + K + cols[None, :], mask=x_mask, other=0.0),
+                              w_tile.dtype)
         acc = tl.dot(w_tile, tl.trans(x_tile), acc, input_precision=PRECISION)
     y = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     mask = m_ok[:, None] & n_ok[None, :]
@@ -188,15 +194,19 @@ def gemv(
     out_dtype: torch.dtype | None = None,  # None: x.dtype; or torch.float32
     config: GemvConfig | None = None,  # None: gemv_config(N, K, element size); benchmarks pass others
     one_launch: bool | None = None,  # None: SPLIT_K_ONE_LAUNCH
+    gated: bool = False,  # x is [..., 2K] = gate | up and the input is silu(gate) * up (a SwiGLU down_proj)
 ) -> torch.Tensor:
-    """x @ weight^T (+ bias) accumulated in float32, rounded once to `out_dtype`; shape [..., N]."""
+    """x @ weight^T (+ bias) accumulated in float32, rounded once to `out_dtype`; shape [..., N].
+
+    `gated`: the same bits as `gemv(silu_and_mul(x), ...)`, without the activation's launch."""
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or weight.dtype != x.dtype:
         raise ValueError(f"gemv: x and weight must share one of bf16/fp16/fp32, got {x.dtype}, {weight.dtype}")
-    if weight.dim() != 2 or weight.stride(1) != 1 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"gemv: weight must be [N, K] with contiguous rows and K = x's last dim "
-                         f"({x.shape[-1]}), got {tuple(weight.shape)}")
+    width = weight.shape[-1] * (2 if gated else 1)
+    if weight.dim() != 2 or weight.stride(1) != 1 or x.shape[-1] != width:
+        raise ValueError(f"gemv: weight must be [N, K] with contiguous rows and {'2K' if gated else 'K'} = x's "
+                         f"last dim ({x.shape[-1]}), got {tuple(weight.shape)}")
     n, k = weight.shape
-    x2 = x.reshape(-1, k)
+    x2 = x.reshape(-1, width)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
@@ -221,7 +231,7 @@ def gemv(
         m, n, k, x2.stride(0), weight.stride(0), out.stride(0), k_per_split,
         BLOCK_M=GEMV_MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split, ONE_LAUNCH=one_launch,
         HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0,
-        PRECISION="ieee" if x.dtype == torch.float32 else None,
+        PRECISION="ieee" if x.dtype == torch.float32 else None, GATED=gated,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split > 1 and not one_launch:

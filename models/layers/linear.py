@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from spmd_engine.models.layers.activation import silu_and_mul
 from spmd_engine.models.layers.weight_loading import copy_checked, new_parameter, replicated_loader
 from spmd_engine.models.parallel import TensorParallel
 
@@ -56,13 +57,18 @@ def use_small_batch_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           out_dtype: torch.dtype | None = None, small_batch_gemv: bool = True) -> torch.Tensor:
+           out_dtype: torch.dtype | None = None, small_batch_gemv: bool = True, gated: bool = False) -> torch.Tensor:
     """x @ weight^T (+ bias), summed in float32 on CUDA and rounded once to `out_dtype` (None: x's
-    dtype; torch.float32 keeps bf16/fp16 results unrounded). Small batches on CUDA: the GEMV."""
+    dtype; torch.float32 keeps bf16/fp16 results unrounded). Small batches on CUDA: the GEMV.
+
+    `gated`: x is [..., 2K] = gate | up of a SwiGLU and the input is silu(gate) * up; the GEMV computes
+    it while loading x (the same bits as silu_and_mul first, one launch fewer)."""
     if small_batch_gemv and use_small_batch_gemv(x, weight):
         from spmd_engine.kernels.gemv import gemv
 
-        return gemv(x, weight, bias, out_dtype)
+        return gemv(x, weight, bias, out_dtype, gated=gated)
+    if gated:
+        x = silu_and_mul(x)
     if out_dtype is None or out_dtype == x.dtype:
         return F.linear(x, weight, bias)
     y = matmul_fp32_out(x, weight)
@@ -199,9 +205,10 @@ class RowParallelLinear(SmallBatchSwitch, nn.Module):
         cols = param.shape[1]
         copy_checked(param.data, full.narrow(1, self.tp.rank * cols, cols), "row-parallel weight")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+        """`gated`: x is [T, 2 x input features] = gate | up and the input is silu(gate) * up (`linear`)."""
         bias = self.bias if self.tp.is_first else None
         if self.tp.world_size == 1 or self.tp.reduce_dtype is None or x.dtype not in (torch.bfloat16, torch.float16):
-            return self.tp.all_reduce(linear(x, self.weight, bias, small_batch_gemv=self.small_batch_gemv))
-        y = linear(x, self.weight, bias, out_dtype=torch.float32, small_batch_gemv=self.small_batch_gemv)
+            return self.tp.all_reduce(linear(x, self.weight, bias, small_batch_gemv=self.small_batch_gemv, gated=gated))
+        y = linear(x, self.weight, bias, out_dtype=torch.float32, small_batch_gemv=self.small_batch_gemv, gated=gated)
         return self.tp.all_reduce(y).to(x.dtype)

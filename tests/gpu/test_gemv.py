@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from spmd_engine.kernels.gemv import GEMV_MAX_M, gemv
+from spmd_engine.kernels.silu_and_mul import silu_and_mul
 from spmd_engine.models.layers.embedding import ParallelLMHead
 from spmd_engine.models.layers.linear import matmul_fp32_out
 from spmd_engine.models.parallel import TensorParallel
@@ -47,6 +48,15 @@ def test_split_sums_by_the_last_program_are_race_free():
         expected = gemv(x, w, b, out_dtype=torch.float32, one_launch=False)
         outs = [gemv(x, w, b, out_dtype=torch.float32, one_launch=True) for _ in range(200)]
         assert all(torch.equal(o, expected) for o in outs)
+
+
+@pytest.mark.parametrize("n,k", [(1024, 3072), (4096, 12288)])  # Qwen3-0.6B / 8B down_proj
+def test_gated_down_proj_is_silu_and_mul_then_gemv(n, k):
+    gate_up, _, _ = operands(2 * k, 1, torch.bfloat16, rows=GEMV_MAX_M)
+    gate_up = gate_up.reshape(2 * k, GEMV_MAX_M).t().contiguous() * 3
+    _, w, b = operands(n, k, torch.bfloat16, seed=1)
+    for m in (1, 3, 16):
+        assert torch.equal(gemv(gate_up[:m], w, b, gated=True), gemv(silu_and_mul(gate_up[:m]), w, b)), m
 
 
 def test_float32_activations_are_exact_enough():

@@ -5,6 +5,7 @@ import torch
 from spmd_engine.kernels import gemv as gemv_module
 from spmd_engine.kernels.gemv import GEMV_MAX_M, GemvConfig, gemv, gemv_config
 from spmd_engine.kernels.reference import linear_reference
+from spmd_engine.kernels.silu_and_mul import silu_and_mul
 from tests.kernels.paged_batch import DEVICE
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # triton interpreter noise
@@ -65,6 +66,17 @@ def test_split_sum_in_one_launch_equals_the_second_launch(config):
     assert torch.equal(one, two)
     assert torch.equal(gemv(x, w, b, config=config, one_launch=True), two.half())
     torch.testing.assert_close(one, linear_reference(x, w, b, torch.float32), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("config", [SPLIT3_RAGGED, WHOLE_K], ids=["split3-ragged-k", "whole-k"])
+def test_gated_input_is_silu_and_mul_fused(config):
+    """A SwiGLU down_proj: x = gate | up; the same bits as the silu_and_mul launch followed by the GEMV."""
+    gate_up, _, _ = operands(3, 1, 160, torch.float16, seed=5)
+    _, w, b = operands(1, 40, 80, torch.float16, seed=6, bias=True)
+    fused = gemv(gate_up, w, b, config=config, gated=True)
+    assert torch.equal(fused, gemv(silu_and_mul(gate_up), w, b, config=config))
+    with pytest.raises(ValueError, match="2K"):
+        gemv(gate_up[:, :80], w, gated=True)
 
 
 def test_default_config_and_leading_dims():

@@ -98,9 +98,9 @@ def gemv_calls(monkeypatch):
     """Let CPU tensors take the GEMV route (the kernel runs under TRITON_INTERPRET); record each call."""
     calls, real = [], gemv_module.gemv
 
-    def spy(x, weight, bias=None, out_dtype=None, config=None):
-        calls.append((x.shape[0], out_dtype))
-        return real(x, weight, bias, out_dtype, config)
+    def spy(x, weight, bias=None, out_dtype=None, gated=False):
+        calls.append((x.shape[0], out_dtype) + (("gated",) if gated else ()))
+        return real(x, weight, bias, out_dtype, gated=gated)
 
     monkeypatch.setattr(gemv_module, "gemv", spy)
     monkeypatch.setattr(linear_module, "_gemv_device", lambda x: True)
@@ -139,6 +139,19 @@ def test_row_parallel_float32_partials_take_the_gemv_with_float32_out(gemv_calls
     assert gemv_calls == [(2, torch.float32)] and out.dtype == torch.float16
     ref = F.linear(x.float(), layer.weight.float(), layer.bias.float())  # rank 0 adds the bias
     torch.testing.assert_close(out, ref.half(), atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_down_proj_applies_the_swiglu_activation_itself(gemv_calls):
+    """`gated`: the GEMV fuses silu(gate) * up at small batch; other batches apply it first."""
+    layer = half_layer(RowParallelLinear, TensorParallel.single())
+    gate_up = torch.randn(20, 64, generator=GEN).half()
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    ref = F.linear(F.silu(gate) * up, layer.weight.float(), layer.bias.float())
+    torch.testing.assert_close(layer(gate_up[:2], gated=True).float(), ref[:2], atol=3e-3, rtol=3e-3)
+    assert gemv_calls == [(2, None, "gated")]
+    torch.testing.assert_close(layer(gate_up, gated=True).float(), ref, atol=3e-3, rtol=3e-3)  # 20 rows: torch
+    assert len(gemv_calls) == 1
 
 
 def test_the_switch_reaches_every_matmul_layer_and_the_lm_head():
