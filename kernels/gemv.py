@@ -16,6 +16,8 @@ Design:
   LM head) one program loops over the whole K and writes the output directly.
 - Output: the activation dtype, or float32 (row-parallel partial sums before the TP all-reduce,
   float32 logits).
+- `gated`: x holds a SwiGLU's packed gate | up and the input is silu(gate) * up, computed while
+  loading x (`kernels/silu_and_mul.silu_mul`, so the same bits as the separate launch).
 
 Determinism: BLOCK_M is always 16 (`GEMV_MAX_M`; padding rows load zeros) and M is a runtime
 argument that Triton does not specialise on, so every M <= 16 runs the same compiled kernel; an
