@@ -82,7 +82,7 @@ def _heuristic_config(n: int, k: int, elem_bytes: int) -> GemvConfig:
                       num_warps=4, num_stages=4 if elem_bytes <= 2 else 2)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def gemv_config(n: int, k: int, elem_bytes: int) -> GemvConfig:
     """The block choice for y[M, n] = x[M, k] @ W[n, k]^T with `elem_bytes`-byte operands."""
     return GEMV_TABLE.get((n, k, elem_bytes)) or _heuristic_config(n, k, elem_bytes)

@@ -59,7 +59,8 @@ def _rms_norm_pair_kernel(
     mask_b = cols < tl.where(in_b, num_cols, 0)
     values = tl.where(in_b, tl.load(b + tok * stride_b_tok + head_b * stride_b_head + cols, mask=mask_b, other=0.0),
                       tl.load(a + tok * stride_a_tok + head * stride_a_head + cols, mask=mask_a, other=0.0))
-    w = tl.where(in_b, tl.load(b_weight + cols, mask=mask_b, other=0.0), tl.load(a_weight + cols, mask=mask_a, other=0.0))
+    w = tl.where(in_b, tl.load(b_weight + cols, mask=mask_b, other=0.0),
+                 tl.load(a_weight + cols, mask=mask_a, other=0.0))
     normed = _normalize(values, w, num_cols, eps, a_out.dtype.element_ty)
     tl.store(a_out + (tok * heads_a + head) * num_cols + cols, normed, mask=mask_a)
     tl.store(b_out + (tok * heads_b + head_b) * num_cols + cols, normed, mask=mask_b)
