@@ -1,8 +1,10 @@
 """GPU A/B of the fused small ops against the torch ops they replace, per Qwen3-0.6B decode step.
 
 One step's non-matmul, non-attention work (28 layers x: residual add + RMSNorm twice, per-head q/k
-RMSNorm, rotary on q and k, SiLU-and-mul) is captured in a CUDA graph both ways and the replays are
-timed, so launch gaps count as they do in the engine's decode graphs. Also checks the fused
+RMSNorm (one launch for both), rotary on q and k, SiLU-and-mul; at small batch the engine folds
+the SiLU-and-mul into the down_proj GEMV instead, see kernels/bench_gemv.py) is captured in a CUDA
+graph both ways and the replays are timed, so launch gaps count as they do in the engine's decode
+graphs. Also checks the fused
 outputs against the torch ones. Run: `PYTHONPATH=. python kernels/bench_fused_ops.py`.
 """
 from __future__ import annotations
@@ -11,7 +13,7 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
-from spmd_engine.kernels.rms_norm import rms_norm
+from spmd_engine.kernels.rms_norm import rms_norm, rms_norm_pair
 from spmd_engine.kernels.rotary import apply_rotary
 from spmd_engine.kernels.silu_and_mul import silu_and_mul
 
@@ -41,7 +43,15 @@ def fused_norm(x, w, residual=None):
     return rms_norm(x, w, EPS, residual)
 
 
-def step(tokens: int, norm, rotary, silu):
+def torch_qk_norm(q, wq, k, wk):
+    return torch_norm(q, wq), torch_norm(k, wk)
+
+
+def fused_qk_norm(q, wq, k, wk):
+    return rms_norm_pair(q, wq, k, wk, EPS)
+
+
+def step(tokens: int, norm, qk_norm, rotary, silu):
     """Build inputs once; return a closure doing one step's small ops (all layers)."""
     gen = torch.Generator(device="cuda").manual_seed(tokens)
 
@@ -60,7 +70,8 @@ def step(tokens: int, norm, rotary, silu):
             h, r = norm(hidden, w, residual)
             q = qkv[:, : HEADS * HEAD_DIM].view(tokens, HEADS, HEAD_DIM)
             k = qkv[:, HEADS * HEAD_DIM: (HEADS + KV_HEADS) * HEAD_DIM].view(tokens, KV_HEADS, HEAD_DIM)
-            q, k = rotary(norm(q, wq), cos, sin), rotary(norm(k, wk), cos, sin)
+            q, k = qk_norm(q, wq, k, wk)
+            q, k = rotary(q, cos, sin), rotary(k, cos, sin)
             h2, r2 = norm(h, w, r)
             outs = [h2, r2, q, k, silu(gate_up)]
         return outs
@@ -83,8 +94,8 @@ def graph_ms(fn) -> float:
 def main() -> None:
     print(f"{'tokens':>7} {'torch ops ms':>13} {'fused ms':>9} {'saved ms':>9} {'max rel err':>12}")
     for tokens in (1, 64, 256, 8192):
-        eager = step(tokens, torch_norm, torch_rotary, torch_silu)
-        fused = step(tokens, fused_norm, apply_rotary, silu_and_mul)
+        eager = step(tokens, torch_norm, torch_qk_norm, torch_rotary, torch_silu)
+        fused = step(tokens, fused_norm, fused_qk_norm, apply_rotary, silu_and_mul)
         err = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(fused(), eager()))
         t_eager, t_fused = graph_ms(eager), graph_ms(fused)
         print(f"{tokens:>7} {t_eager:>13.3f} {t_fused:>9.3f} {t_eager - t_fused:>9.3f} {err:>12.2e}")

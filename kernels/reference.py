@@ -1,4 +1,5 @@
-"""Plain-torch oracles for the KV-cache write and paged attention, and the sampling-noise hash.
+"""Plain-torch oracles for the KV-cache write, paged attention, the small-batch GEMV and the
+sampling-noise hash.
 
 They are the CPU path of the engine and the ground truth the Triton kernels are tested against.
 KV cache layout (every backend): [num_blocks, block_size, num_kv_heads, head_dim]. A
@@ -88,6 +89,20 @@ def paged_attention_reference(
         probs = torch.softmax(scores, dim=-1)
         out[start:end] = torch.matmul(probs, v).transpose(0, 1).to(query.dtype)
     return out
+
+
+def linear_reference(
+    x: torch.Tensor,  # [..., K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+    out_dtype: torch.dtype | None = None,  # None: x.dtype
+) -> torch.Tensor:
+    """x @ weight^T (+ bias) summed in float64 and rounded once to `out_dtype`: the oracle of
+    `kernels/gemv.py` (which sums in float32, so the two agree to float32 rounding)."""
+    y = x.double() @ weight.double().t()
+    if bias is not None:
+        y = y + bias.double()
+    return y.to(out_dtype or x.dtype)
 
 
 # --- counter-based sampling noise ------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Triton RMSNorm, optionally fused with the residual add before it: one launch instead of ~8.
+"""Triton RMSNorm, optionally fused with the residual add before it: one launch instead of ~8;
+and two RMSNorms in one launch (Qwen3's per-head q and k norms).
 
 Same math as `models/layers/norm.py` (HF Llama/Qwen3): the sum `x + residual` is rounded to the
 input dtype, the normalisation runs in float32 and is rounded before the weight multiply. Rows may
@@ -27,11 +28,74 @@ def _rms_norm_kernel(
         res = tl.load(residual + row.to(tl.int64) * stride_res_row + cols, mask=mask, other=0.0)
         values = (values.to(tl.float32) + res.to(tl.float32)).to(out.dtype.element_ty)
         tl.store(residual_out + row.to(tl.int64) * num_cols + cols, values, mask=mask)
+    w = tl.load(weight + cols, mask=mask, other=0.0)
+    tl.store(out + row.to(tl.int64) * num_cols + cols, _normalize(values, w, num_cols, eps, out.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def _normalize(values, w, num_cols, eps, dtype: tl.constexpr):
+    """w * (x / rms(x)) with the normalisation in float32, rounded to `dtype` before the weight."""
     xf = values.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / num_cols + eps)
-    normed = (xf * inv_rms).to(out.dtype.element_ty).to(tl.float32)
-    w = tl.load(weight + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out + row.to(tl.int64) * num_cols + cols, (normed * w).to(out.dtype.element_ty), mask=mask)
+    normed = (xf * inv_rms).to(dtype).to(tl.float32)
+    return (normed * w.to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def _rms_norm_pair_kernel(
+    a, b, a_weight, b_weight, a_out, b_out,
+    heads_a, heads_b, stride_a_tok, stride_a_head, stride_b_tok, stride_b_head, num_cols, eps,
+    BLOCK: tl.constexpr,
+):
+    """One program per (token, head) of a then b: heads [0, heads_a) are a's, the rest b's."""
+    row = tl.program_id(0)
+    tok = (row // (heads_a + heads_b)).to(tl.int64)
+    head = row % (heads_a + heads_b)
+    in_b = head >= heads_a
+    head_b = tl.maximum(head - heads_a, 0)
+    cols = tl.arange(0, BLOCK)
+    mask_a = cols < tl.where(in_b, 0, num_cols)  # one of the two loads / stores is fully masked: no traffic
+    mask_b = cols < tl.where(in_b, num_cols, 0)
+    values = tl.where(in_b, tl.load(b + tok * stride_b_tok + head_b * stride_b_head + cols, mask=mask_b, other=0.0),
+                      tl.load(a + tok * stride_a_tok + head * stride_a_head + cols, mask=mask_a, other=0.0))
+    w = tl.where(in_b, tl.load(b_weight + cols, mask=mask_b, other=0.0),
+                 tl.load(a_weight + cols, mask=mask_a, other=0.0))
+    normed = _normalize(values, w, num_cols, eps, a_out.dtype.element_ty)
+    tl.store(a_out + (tok * heads_a + head) * num_cols + cols, normed, mask=mask_a)
+    tl.store(b_out + (tok * heads_b + head_b) * num_cols + cols, normed, mask=mask_b)
+
+
+def _launch_options(num_cols: int) -> dict[str, int]:
+    block = triton.next_power_of_2(num_cols)
+    return {"BLOCK": block, "num_warps": 1 if block <= 256 else (4 if block <= 2048 else 8)}
+
+
+def rms_norm_pair(
+    a: torch.Tensor,  # [T, Ha, N], last dim contiguous (Qwen3's q heads, a strided slice of qkv)
+    a_weight: torch.Tensor,  # [N]
+    b: torch.Tensor,  # [T, Hb, N], same dtype (the k heads)
+    b_weight: torch.Tensor,  # [N]
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(rms_norm(a, a_weight, eps), rms_norm(b, b_weight, eps))` in one launch, the same bits."""
+    if a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[2] \
+            or a.stride(-1) != 1 or b.stride(-1) != 1 or a.dtype != b.dtype:
+        raise ValueError(f"rms_norm_pair: a and b must be [T, H, N] of one dtype with the same T and N and a "
+                         f"contiguous last dim, got {tuple(a.shape)} and {tuple(b.shape)}")
+    num_cols = a.shape[2]
+    if a_weight.shape != (num_cols,) or b_weight.shape != (num_cols,):
+        raise ValueError(f"rms_norm_pair: weights must be [{num_cols}], got {tuple(a_weight.shape)}, "
+                         f"{tuple(b_weight.shape)}")
+    a_out = torch.empty(a.shape, dtype=a.dtype, device=a.device)
+    b_out = torch.empty(b.shape, dtype=b.dtype, device=b.device)
+    rows = a.shape[0] * (a.shape[1] + b.shape[1])
+    if rows:
+        _rms_norm_pair_kernel[(rows,)](
+            a, b, a_weight, b_weight, a_out, b_out, a.shape[1], b.shape[1],
+            a.stride(0), a.stride(1), b.stride(0), b.stride(1), num_cols, eps, **_launch_options(num_cols),
+        )
+    return a_out, b_out
 
 
 def rms_norm(
@@ -59,11 +123,9 @@ def rms_norm(
         residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rows = x.shape[0] * heads
     if rows:
-        block = triton.next_power_of_2(num_cols)
         _rms_norm_kernel[(rows,)](
             x, residual if residual is not None else x, weight, out, residual_out,
             heads, x.stride(0), stride_head, residual.stride(0) if residual is not None else 0, num_cols, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block,
-            num_warps=1 if block <= 256 else (4 if block <= 2048 else 8),
+            HAS_RESIDUAL=residual is not None, **_launch_options(num_cols),
         )
     return out if residual is None else (out, residual_out)

@@ -9,14 +9,20 @@ BLOCK = 1024
 
 
 @triton.jit
+def silu_mul(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up in float32, rounded to `dtype`; also the GEMV's fused input (kernels/gemv.py)."""
+    gate = gate.to(tl.float32)
+    return (gate / (1.0 + tl.exp(-gate)) * up.to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _silu_and_mul_kernel(x, out, width, stride_x_row, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
-    gate = tl.load(x + row * stride_x_row + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x + row * stride_x_row + width + cols, mask=mask, other=0.0).to(tl.float32)
-    silu = gate / (1.0 + tl.exp(-gate))
-    tl.store(out + row * width + cols, (silu * up).to(out.dtype.element_ty), mask=mask)
+    gate = tl.load(x + row * stride_x_row + cols, mask=mask, other=0.0)
+    up = tl.load(x + row * stride_x_row + width + cols, mask=mask, other=0.0)
+    tl.store(out + row * width + cols, silu_mul(gate, up, out.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

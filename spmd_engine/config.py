@@ -64,6 +64,9 @@ class EngineConfig:
     # float32 | model: dtype of the row-parallel all-reduce sums; bf16 partial sums rounded on every rank make
     # N ranks pick other greedy tokens than one rank, float32 rounds once (2x the all-reduce bytes)
     tp_reduce_dtype: str = "float32"
+    # CUDA matmuls of <= 16 rows (small-batch decode) and the LM head by a Triton split-K GEMV reading the
+    # weights near bandwidth; false: cuBLAS for every size
+    small_batch_gemv: bool = True
     seed: int = 0
     tensor_parallel_size: int | None = None  # None = the world size; if set it must equal it
     dist_timeout_s: float = 45.0  # no rank making progress (computing, a new step) this long ends the job

@@ -150,6 +150,7 @@ class Engine:
 
     def _load_model(self, backend: str) -> torch.nn.Module:
         """Build this rank's shard of the model in the engine's dtype and device, then load its weights."""
+        from spmd_engine.models.layers.linear import set_small_batch_gemv
         from spmd_engine.models.loader import load_dummy_weights, load_safetensors_weights
         from spmd_engine.models.parallel import TensorParallel
         from spmd_engine.models.registry import build_model
@@ -171,6 +172,7 @@ class Engine:
         else:
             load_safetensors_weights(model, self.source.checkpoint_dir)
         model.eval()
+        set_small_batch_gemv(model, cfg.small_batch_gemv)
         log.info("model %s loaded (%s, %s, attention=%s, tp=%d) in %.1f s", cfg.model.name,
                  self.source.checkpoint_dir or "dummy weights", str(self.dtype).replace("torch.", ""),
                  backend, ranks.world_size, time.perf_counter() - started)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spmd_engine.models.layers.linear import matmul_fp32_out
+from spmd_engine.models.layers.linear import SmallBatchSwitch, linear
 from spmd_engine.models.layers.weight_loading import copy_checked, new_parameter
 from spmd_engine.models.parallel import TensorParallel
 
@@ -55,11 +55,12 @@ class VocabParallelEmbedding(_VocabShardedWeight):
         return self.tp.all_reduce(out)
 
 
-class ParallelLMHead(_VocabShardedWeight):
+class ParallelLMHead(SmallBatchSwitch, _VocabShardedWeight):
     """hidden [N, hidden] -> float32 logits [N, vocab] on tensor-parallel rank 0 (None elsewhere).
 
     On CUDA the matmul writes float32 directly: bf16 logits (8 significant bits) tie often, and a
     tie decided by a rounding makes greedy tokens depend on the rank count and on kernel choice.
+    A small batch takes the GEMV with float32 out (`linear`), unless switched off.
     `tied_to`: share the embedding's weight (tie_word_embeddings); it has the same shape and shard.
     """
 
@@ -69,7 +70,7 @@ class ParallelLMHead(_VocabShardedWeight):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         if hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16):
-            logits = matmul_fp32_out(hidden, self.weight)
+            logits = linear(hidden, self.weight, out_dtype=torch.float32, small_batch_gemv=self.small_batch_gemv)
         else:  # CPU has no float32-output matmul; upcasting the whole vocabulary matrix costs too much
             logits = F.linear(hidden, self.weight)
         logits = self.tp.gather_to_first(logits, dim=-1)

@@ -4,13 +4,21 @@ output stays sharded for the next layer; row-parallel splits input features and 
 Each parameter's `weight_loader` takes the FULL checkpoint tensor and keeps this rank's rows or
 columns, so checkpoints never need resharding. Packed layers (qkv, gate|up) take one checkpoint
 tensor per `shard_id`.
+
+Every matmul here and in the LM head goes through `linear`: on CUDA, bf16/fp16 inputs of at most
+SMALL_BATCH_MAX_M rows (decode at small batch) take the Triton split-K GEMV (`kernels/gemv.py`),
+which reads the weights near bandwidth where cuBLAS does not; everything else takes cuBLAS / torch.
+The engine key `small_batch_gemv: false` turns the GEMV off (`set_small_batch_gemv`).
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from spmd_engine.models.layers.activation import silu_and_mul
 from spmd_engine.models.layers.weight_loading import copy_checked, new_parameter, replicated_loader
 from spmd_engine.models.parallel import TensorParallel
 
@@ -19,6 +27,67 @@ def divide(total: int, parts: int, what: str) -> int:
     if total % parts:
         raise ValueError(f"{what}={total} is not divisible by the tensor-parallel size {parts}")
     return total // parts
+
+
+# Rows up to which CUDA matmuls take the GEMV. Keep it a CUDA-graph batch size (1, 2, 4, 8 or 16:
+# executor/cuda_graphs.py) so that a decode batch and the graph it is padded to take the same kernel
+# and give the same bits; at most kernels.gemv.GEMV_MAX_M (16). Pick it with kernels/bench_gemv.py.
+SMALL_BATCH_MAX_M = 16
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _gemv_device(x: torch.Tensor) -> bool:
+    return x.is_cuda and _triton_available()
+
+
+def use_small_batch_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear` sends x @ weight^T to the Triton GEMV (the layers' switch aside): CUDA,
+    bf16/fp16 (float32 stays on cuBLAS, which reads it fine), 1..SMALL_BATCH_MAX_M rows."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return (1 <= rows <= SMALL_BATCH_MAX_M and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+            and weight.dim() == 2 and weight.stride(1) == 1 and _gemv_device(x))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None, small_batch_gemv: bool = True, gated: bool = False) -> torch.Tensor:
+    """x @ weight^T (+ bias), summed in float32 on CUDA and rounded once to `out_dtype` (None: x's
+    dtype; torch.float32 keeps bf16/fp16 results unrounded). Small batches on CUDA: the GEMV.
+
+    `gated`: x is [..., 2K] = gate | up of a SwiGLU and the input is silu(gate) * up; the GEMV computes
+    it while loading x (the same bits as silu_and_mul first, one launch fewer)."""
+    if small_batch_gemv and use_small_batch_gemv(x, weight):
+        from spmd_engine.kernels.gemv import gemv
+
+        return gemv(x, weight, bias, out_dtype, gated=gated)
+    if gated:
+        x = silu_and_mul(x)
+    if out_dtype is None or out_dtype == x.dtype:
+        return F.linear(x, weight, bias)
+    y = matmul_fp32_out(x, weight)
+    if bias is not None:
+        y += bias
+    return y
+
+
+class SmallBatchSwitch:
+    """Mixin of the layers whose matmul `linear` may send to the GEMV; on unless switched off."""
+
+    small_batch_gemv: bool = True
+
+
+def set_small_batch_gemv(model: nn.Module, enabled: bool) -> None:
+    """Turn the small-batch GEMV on or off in every layer of `model` (engine key `small_batch_gemv`)."""
+    for module in model.modules():
+        if isinstance(module, SmallBatchSwitch):
+            module.small_batch_gemv = enabled
 
 
 def matmul_fp32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -34,7 +103,7 @@ def matmul_fp32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(SmallBatchSwitch, nn.Module):
     """y = x W^T + b with W's rows (output features) split evenly across ranks; no communication."""
 
     def __init__(self, input_size: int, output_size: int, tp: TensorParallel, bias: bool = False) -> None:
@@ -49,7 +118,7 @@ class ColumnParallelLinear(nn.Module):
         copy_checked(param.data, full.narrow(0, self.tp.rank * rows, rows), "column-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, small_batch_gemv=self.small_batch_gemv)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -114,7 +183,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(SmallBatchSwitch, nn.Module):
     """y = all_reduce(x_shard W_shard^T) + b with W's columns (input features) split across ranks.
 
     The input is the rank's shard of the features (the output of a column-parallel layer). The
@@ -136,11 +205,10 @@ class RowParallelLinear(nn.Module):
         cols = param.shape[1]
         copy_checked(param.data, full.narrow(1, self.tp.rank * cols, cols), "row-parallel weight")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+        """`gated`: x is [T, 2 x input features] = gate | up and the input is silu(gate) * up (`linear`)."""
         bias = self.bias if self.tp.is_first else None
         if self.tp.world_size == 1 or self.tp.reduce_dtype is None or x.dtype not in (torch.bfloat16, torch.float16):
-            return self.tp.all_reduce(F.linear(x, self.weight, bias))
-        y = matmul_fp32_out(x, self.weight)
-        if bias is not None:
-            y += bias
+            return self.tp.all_reduce(linear(x, self.weight, bias, small_batch_gemv=self.small_batch_gemv, gated=gated))
+        y = linear(x, self.weight, bias, out_dtype=torch.float32, small_batch_gemv=self.small_batch_gemv, gated=gated)
         return self.tp.all_reduce(y).to(x.dtype)

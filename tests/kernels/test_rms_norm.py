@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from spmd_engine.kernels.rms_norm import rms_norm
+from spmd_engine.kernels.rms_norm import rms_norm, rms_norm_pair
 from tests.kernels.paged_batch import DEVICE, gpu_case
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # triton interpreter noise
@@ -40,6 +40,24 @@ def test_per_head_norm_of_a_strided_qkv_slice():
     torch.testing.assert_close(out, reference(q, w, 1e-6)[0], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("tokens,dtype", [(3, torch.float32), (2, torch.float16), gpu_case(5, torch.bfloat16)])
+def test_q_and_k_head_norms_in_one_launch(tokens, dtype):
+    """Qwen3's q norm (3 heads) and k norm (2 heads) on strided slices of one qkv row: the same bits
+    as two rms_norm launches, each head with its own projection's weight."""
+    gen = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, 7 * 16, generator=gen).to(dtype).to(DEVICE)  # 3 q, 2 k, 2 v heads of 16
+    q, k = qkv[:, :48].reshape(tokens, 3, 16), qkv[:, 48:80].reshape(tokens, 2, 16)
+    wq, wk = (torch.randn(2, 16, generator=gen) + 1).to(dtype).to(DEVICE).unbind(0)
+    out_q, out_k = rms_norm_pair(q, wq, k, wk, 1e-6)
+    assert out_q.shape == (tokens, 3, 16) and out_k.shape == (tokens, 2, 16) and out_q.is_contiguous()
+    assert torch.equal(out_q, rms_norm(q, wq, 1e-6)) and torch.equal(out_k, rms_norm(k, wk, 1e-6))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out_k, reference(k, wk, 1e-6)[0], atol=tol, rtol=tol)
+
+
 def test_bad_weight_is_rejected():
     with pytest.raises(ValueError, match="weight must be"):
         rms_norm(torch.zeros(2, 8, device=DEVICE), torch.ones(4, device=DEVICE), 1e-6)
+    with pytest.raises(ValueError, match="weights must be"):
+        rms_norm_pair(torch.zeros(2, 3, 8, device=DEVICE), torch.ones(4, device=DEVICE),
+                      torch.zeros(2, 1, 8, device=DEVICE), torch.ones(8, device=DEVICE), 1e-6)

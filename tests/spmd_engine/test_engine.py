@@ -183,6 +183,17 @@ def test_stops_at_eos_like_hf(tmp_path, async_scheduling):
         assert eos not in out.token_ids[:-1]
 
 
+def test_small_batch_gemv_key_reaches_every_matmul_layer(tiny):
+    """`small_batch_gemv: false` sends every matmul layer and the LM head to cuBLAS / torch."""
+    from spmd_engine.models.layers.linear import SmallBatchSwitch
+
+    path, _ = tiny
+    for enabled in (False, True):
+        llm = make_llm(path, small_batch_gemv=enabled)
+        switches = [m for m in llm.model.modules() if isinstance(m, SmallBatchSwitch)]
+        assert llm.model.lm_head in switches and all(m.small_batch_gemv is enabled for m in switches)
+
+
 def test_seeded_sampling_is_reproducible_across_engines(tiny):
     """temperature > 0 with a per-request seed: the same tokens in another engine and another batch."""
     path, _ = tiny
