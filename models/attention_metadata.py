@@ -26,7 +26,14 @@ class AttentionMetadata:
     max_seq_len: int  # max over B of seq_lens (host int)
     block_size: int
     is_decode: bool  # every sequence has query length 1 (enables the decode kernel / CUDA graphs)
+    # the first num_decode_seqs sequences have query length 1 (their tokens are the first ones): the
+    # Triton path runs them through the split-KV decode kernel, the rest through the prefill kernel
+    num_decode_seqs: int = 0
 
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decode_seqs  # one token each

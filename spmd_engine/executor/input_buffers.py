@@ -99,7 +99,7 @@ class InputBuffers:
             slot_mapping=d["slot_mapping"][:tokens], cu_seqlens_q=d["cu_seqlens_q"][: rows + 1],
             seq_lens=d["seq_lens"][:rows], block_tables=d["block_tables"][:rows],
             max_query_len=host.max_query_len, max_seq_len=host.max_seq_len, block_size=self.block_size,
-            is_decode=host.is_decode)
+            is_decode=host.is_decode, num_decode_seqs=host.num_decode_seqs + rows - num_seqs)
         return ForwardBatch(d["input_ids"][:tokens], d["positions"][:tokens], attn, d["logits_indices"][:num_logits],
                             d["deferred_positions"][:num_deferred], d["deferred_rows"][:num_deferred])
 

@@ -178,16 +178,18 @@ class ModelRunner:
             return self.graphs.replay(staged.graph_rows, staged.host, batch)
         hidden = self.model(batch.input_ids, batch.positions, batch.attn)
         if plan.has_prompt_logits:  # one LM head call for the sampled rows and the prompt-logprob rows
-            return self._logits_with_prompt_rows(hidden, batch.logits_indices, plan)
+            return self._logits_with_prompt_rows(hidden, batch.logits_indices, staged)
         if batch.logits_indices.numel() == 0:
             return None
         return self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
 
-    def _logits_with_prompt_rows(self, hidden: torch.Tensor, sample_rows: torch.Tensor, plan: StepPlan
+    def _logits_with_prompt_rows(self, hidden: torch.Tensor, sample_rows: torch.Tensor, staged: StagedStep
                                  ) -> torch.Tensor | None:
         """Sampled rows' logits (returned) and the prompt rows' (kept in last_prompt_logits on rank 0);
         every rank runs the same LM head rows (a collective gather under tensor parallelism)."""
-        prompt_rows = host_to_device(prompt_logit_rows(plan.query_lens, plan.prompt_logits), self.device)
+        plan, token_rows = staged.plan, staged.host.token_rows
+        rows = prompt_logit_rows(plan.query_lens, plan.prompt_logits)  # plan token order
+        prompt_rows = host_to_device(rows if token_rows is None else token_rows[rows], self.device)
         num_sampled = sample_rows.numel()
         logits = self.model.compute_logits(hidden.index_select(0, torch.cat([sample_rows, prompt_rows])))
         if logits is None:
