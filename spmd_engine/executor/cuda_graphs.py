@@ -59,14 +59,15 @@ class DecodeGraphs:
 
     @classmethod
     @torch.inference_mode()
-    def capture(cls, model: torch.nn.Module, buffers: InputBuffers, max_num_seqs: int) -> DecodeGraphs:
+    def capture(cls, model: torch.nn.Module, buffers: InputBuffers, max_num_seqs: int, pool=None) -> DecodeGraphs:
         """Capture every size of `graph_batch_sizes(max_num_seqs)` over `buffers` (the runner's own:
-        the graphs read and write exactly those views)."""
+        the graphs read and write exactly those views); `pool`: a graph memory pool to share (the
+        piecewise graphs'), None for a new one."""
         max_blocks = buffers.max_blocks
         sizes = [n for n in graph_batch_sizes(max_num_seqs) if n <= buffers.max_tokens]
         started = time.perf_counter()
         reserved_before = torch.cuda.memory_reserved()
-        pool = torch.cuda.graph_pool_handle()
+        pool = torch.cuda.graph_pool_handle() if pool is None else pool
         side = torch.cuda.Stream()
         graphs: dict[int, _Graph] = {}
         for n in reversed(sizes):
