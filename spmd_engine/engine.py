@@ -360,7 +360,8 @@ class _Generation:
             steps += 1
             decode_steps += int(plan.is_decode)
             self.step += 1
-            timer.add(plan.num_seqs, plan.num_tokens, plan.is_decode, wait=t1 - t0, postprocess=t2 - t1,
+            timer.add(plan.num_seqs, plan.num_tokens, plan.is_decode, num_decode_seqs=int((plan.query_lens == 1).sum()),
+                      launch=staged.launch_kind, wait=t1 - t0, postprocess=t2 - t1,
                       schedule=t3 - t2, broadcast=t4 - t3, inputs=t5 - t4, sample=t6 - t5 + t8 - t7,
                       forward=t7 - t6)
         stop = self.builder.stop_plan(self.step)

@@ -50,6 +50,13 @@ class StagedStep:
     graph_rows: int | None  # the padded decode graph to replay; None: no decode graph
     piecewise_tokens: int | None = None  # the piecewise graphs' token bucket to replay; None: no piecewise graph
 
+    @property
+    def launch_kind(self) -> str:
+        """How `launch` runs it (telemetry.step_timing.LAUNCHES)."""
+        if self.graph_rows is not None:
+            return "decode_graph"
+        return "eager" if self.piecewise_tokens is None else "piecewise_graph"
+
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, shape: ModelShape, settings: RunnerSettings,

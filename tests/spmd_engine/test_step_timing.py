@@ -40,3 +40,18 @@ def test_gpu_idle_is_summarised_over_the_steps_that_have_it():
     assert full["host_plan_fraction"] == pytest.approx(0.2)
     with pytest.raises(ValueError, match="2 GPU idle times for 3 steps"):
         timer.set_gpu_idle([0.1, 0.2])
+
+
+def test_mixed_and_pure_prefill_steps_apart_with_their_launch_kinds():
+    timer = StepTimer()
+    timer.add(200, 1000, False, num_decode_seqs=190, launch="piecewise_graph", **phases(forward=0.006))
+    timer.add(200, 9000, False, num_decode_seqs=190, launch="eager", **phases(forward=0.010))
+    timer.add(8, 4000, False, num_decode_seqs=0, launch="eager", **phases(forward=0.020))
+    timer.add(200, 200, True, num_decode_seqs=200, launch="decode_graph", **phases(forward=0.001))
+    s = timer.summary()
+    assert s["mixed"]["steps"] == 2 and s["mixed"]["step_ms"] == pytest.approx(8.0)
+    assert s["mixed"]["launches"] == {"piecewise_graph": 1, "eager": 1}
+    assert s["prefill"]["steps"] == 1 and s["prefill"]["launches"] == {"eager": 1}
+    assert s["prefill_or_mixed"]["steps"] == 3 and s["decode"]["launches"] == {"decode_graph": 1}
+    with pytest.raises(ValueError, match="launch must be one of"):
+        timer.add(1, 1, True, launch="graph", **phases())
