@@ -250,7 +250,8 @@ class Engine:
 def new_scheduler(cfg: EngineConfig, max_model_len: int, num_blocks: int, eos_token_ids) -> Scheduler:
     """Rank 0's scheduler over a fresh pool of `num_blocks` KV blocks."""
     return Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, max_model_len, cfg.block_size,
-                                     num_blocks, cfg.enable_prefix_caching), set(eos_token_ids))
+                                     num_blocks, cfg.enable_prefix_caching, cfg.max_prompt_tokens_per_mixed_step),
+                     set(eos_token_ids))
 
 
 class _Generation:
