@@ -34,6 +34,11 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sorted(sizes)
 
 
+def smallest_holding(sizes: list[int], n: int) -> int:
+    """The smallest of the sorted `sizes` that is >= n (the graph a padded step replays)."""
+    return sizes[bisect.bisect_left(sizes, n)]
+
+
 def decode_step(model: torch.nn.Module, batch: ForwardBatch) -> torch.Tensor | None:
     """What one graph records: forward over every (padded) row, then logits for every row."""
     hidden = model(batch.input_ids, batch.positions, batch.attn)
@@ -91,7 +96,7 @@ class DecodeGraphs:
         return host.is_decode and 0 < host.num_seqs <= self.max_batch and self.buffers.fits(host)
 
     def padded_size(self, num_seqs: int) -> int:
-        return self.sizes[bisect.bisect_left(self.sizes, num_seqs)]
+        return smallest_holding(self.sizes, num_seqs)
 
     def stage(self, host: HostBatch) -> tuple[int, ForwardBatch]:
         """Copy the batch into the captured buffers, padded to the smallest graph that holds it."""

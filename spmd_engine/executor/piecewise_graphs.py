@@ -21,7 +21,6 @@ same buckets in the same order (the pieces hold the tensor-parallel collectives)
 """
 from __future__ import annotations
 
-import bisect
 import logging
 import time
 from collections.abc import Callable
@@ -29,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from spmd_engine.executor.cuda_graphs import smallest_holding
 from spmd_engine.executor.forward_batch import ForwardBatch, HostBatch
 from spmd_engine.executor.input_buffers import InputBuffers
 from spmd_engine.models.attention_metadata import AttentionMetadata
@@ -124,10 +124,6 @@ class PiecewiseGraphs:
         self.sizes: list[int] = []
         self.num_replays = 0
 
-    @property
-    def max_tokens(self) -> int:
-        return self.sizes[-1] if self.sizes else 0
-
     @classmethod
     @torch.inference_mode()
     def capture(cls, model, buffers: InputBuffers, max_num_seqs: int, sizes: list[int], capture: Capture
@@ -214,15 +210,13 @@ class PiecewiseGraphs:
         return [first] + [middle(i) for i in range(1, len(layers))] + [last]
 
     def can_run(self, host: HostBatch) -> bool:
-        return (0 < host.num_tokens <= self.max_tokens and len(host.logits_indices) <= self.max_num_seqs
+        return (bool(self.sizes) and 0 < host.num_tokens <= self.sizes[-1]
+                and len(host.logits_indices) <= self.max_num_seqs
                 and self.buffers.fits(host))
-
-    def bucket_for(self, num_tokens: int) -> int:
-        return self.sizes[bisect.bisect_left(self.sizes, num_tokens)]
 
     def stage(self, host: HostBatch) -> tuple[int, ForwardBatch]:
         """Copy the step into the captured buffers, its tokens padded to the smallest bucket that holds them."""
-        n = self.bucket_for(host.num_tokens)
+        n = smallest_holding(self.sizes, host.num_tokens)
         return n, self.buffers.load(host, pad_tokens=n)
 
     def replay(self, n: int, host: HostBatch, batch: ForwardBatch) -> torch.Tensor | None:

@@ -28,10 +28,10 @@ def test_mixed_prefill_chunk_and_decodes():
 
 
 def test_decode_first_plan_keeps_its_order():
-    plan = StepPlan(step=0, seq_ids=np.array([1, 2, 3]), num_computed=np.array([9, 4, 0], dtype=np.int32),
-                    query_lens=np.array([1, 1, 3], dtype=np.int32), input_ids=np.arange(5, dtype=np.int32),
-                    sample=np.array([True, True, True]))
-    tables = np.array([[4, 5, 6], [7, 2, 0], [1, 0, 0]], dtype=np.int32)
+    query_lens = np.array([1, 1, 3], dtype=np.int32)
+    plan = StepPlan(step=0, seq_ids=np.arange(3), num_computed=np.array([9, 4, 0], dtype=np.int32),
+                    query_lens=query_lens, input_ids=np.arange(5, dtype=np.int32), sample=np.ones(3, dtype=bool))
+    tables = np.arange(9, dtype=np.int32).reshape(3, 3)
     hb = build_host_batch(plan, tables, block_size=4)
     assert hb.token_rows is None and hb.num_decode_seqs == 2
     assert hb.input_ids.tolist() == [0, 1, 2, 3, 4] and hb.logits_indices.tolist() == [0, 1, 4]
