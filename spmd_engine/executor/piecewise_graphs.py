@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -105,13 +104,6 @@ class _StaticBuffers:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
-@dataclass
-class _Bucket:
-    num_tokens: int
-    num_logit_rows: int  # static logits rows: min(tokens, max_num_seqs)
-    replays: list[Piece]  # num_layers + 1 pieces
-
-
 class PiecewiseGraphs:
     def __init__(self, model, buffers: InputBuffers, max_num_seqs: int, capture: Capture) -> None:
         self.model = model
@@ -120,7 +112,7 @@ class PiecewiseGraphs:
         self.capture_fn = capture
         self.layers = model.decoder_layers()
         self.static = _StaticBuffers(buffers.max_tokens)
-        self.buckets: dict[int, _Bucket] = {}
+        self.buckets: dict[int, list[Piece]] = {}  # token count -> its num_layers + 1 replays
         self.sizes: list[int] = []
         self.num_replays = 0
 
@@ -137,7 +129,8 @@ class PiecewiseGraphs:
         for n in sorted(set(sizes), reverse=True):
             if n > buffers.max_tokens:
                 raise ValueError(f"piecewise bucket {n} exceeds the input buffers' {buffers.max_tokens} tokens")
-            buffers.load(HostBatch.unstored_prefill([n]), pad_tokens=n)  # stores nothing: slot -1
+            # one token and n - 1 padding ones: positions 0 (within any rotary table), slots -1 (nothing stored)
+            buffers.load(HostBatch.unstored_prefill([1]), pad_tokens=n)
             pieces = graphs._pieces(n)
             if not graphs.static.tensors:  # the first run allocates the static buffers, outside any graph
                 graphs._allocate_attn_out()
@@ -150,7 +143,7 @@ class PiecewiseGraphs:
                         for piece in pieces:
                             piece()
                 torch.cuda.current_stream().wait_stream(side)
-            graphs.buckets[n] = _Bucket(n, min(n, max_num_seqs), [capture(piece) for piece in pieces])
+            graphs.buckets[n] = [capture(piece) for piece in pieces]
         graphs.sizes = sorted(graphs.buckets)
         if cuda:
             torch.cuda.synchronize()
@@ -222,13 +215,13 @@ class PiecewiseGraphs:
     def replay(self, n: int, host: HostBatch, batch: ForwardBatch) -> torch.Tensor | None:
         """Run bucket `n`'s pieces with eager attention between them; logits of the sampled rows on tp
         rank 0 (a view of the static logits: valid until the next replay), None elsewhere."""
-        bucket = self.buckets[n]
+        replays = self.buckets[n]
         num_tokens = host.num_tokens
         q, out = self.static.read("q", num_tokens), self.static.read("attn_out", num_tokens)
-        for layer, piece in zip(self.layers, bucket.replays):
+        for layer, piece in zip(self.layers, replays):
             piece()
             layer.self_attn.attn.attend(q, None, None, batch.attn, out=out)
-        bucket.replays[-1]()
+        replays[-1]()
         self.num_replays += 1
         if "logits" not in self.static.tensors or not len(host.logits_indices):
             return None

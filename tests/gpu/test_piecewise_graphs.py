@@ -4,7 +4,13 @@ A small token budget chunks the prompts, so most steps mix prompt chunks with de
 replay the piecewise graphs (buckets 16, 32, 64) with eager attention between the pieces."""
 import pytest
 
-from tests.gpu.engine_setup import GPU, PROMPTS, greedy_tokens, make_llm, tiny_bf16_checkpoint
+from tests.gpu.engine_setup import (
+    GPU,
+    PROMPTS,
+    greedy_tokens,
+    make_llm,
+    tiny_bf16_checkpoint,
+)
 
 pytestmark = GPU
 BUDGET = {"max_num_batched_tokens": 64}

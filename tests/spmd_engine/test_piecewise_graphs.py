@@ -4,16 +4,20 @@ buffers, padding rows store nothing, attention between the pieces sees the real 
 import numpy as np
 import pytest
 import torch
+from spmd_engine.models.loader import load_dummy_weights
+from spmd_engine.models.model_config import ModelShape
+from spmd_engine.models.parallel import TensorParallel
+from spmd_engine.models.registry import build_model
 
 from spmd_engine.core.plan import StepPlan
 from spmd_engine.executor.forward_batch import to_device
 from spmd_engine.executor.input_buffers import InputBuffers
 from spmd_engine.executor.model_runner import ModelRunner, RunnerSettings
-from spmd_engine.executor.piecewise_graphs import PiecewiseGraphs, RerunCapture, piecewise_token_buckets
-from spmd_engine.models.loader import load_dummy_weights
-from spmd_engine.models.model_config import ModelShape
-from spmd_engine.models.parallel import TensorParallel
-from spmd_engine.models.registry import build_model
+from spmd_engine.executor.piecewise_graphs import (
+    PiecewiseGraphs,
+    RerunCapture,
+    piecewise_token_buckets,
+)
 
 HF = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
       "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 97,
@@ -56,7 +60,7 @@ def plan(step: int, seqs: list[tuple[int, int, int, bool]], blocks: dict[int, li
                     input_ids=rng.integers(2, 97, sum(s[2] for s in seqs)).astype(np.int32),
                     sample=np.array([s[3] for s in seqs]), reset_tables=np.array([s[1] == 0 for s in seqs]),
                     new_block_counts=np.array([len(b) for b in new], dtype=np.int32),
-                    new_block_ids=np.array(sum(new, []), dtype=np.int32))
+                    new_block_ids=np.array([b for blocks in new for b in blocks], dtype=np.int32))
 
 
 def steps():
