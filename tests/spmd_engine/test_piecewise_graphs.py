@@ -109,3 +109,43 @@ def test_steps_beyond_the_largest_bucket_or_with_prompt_logprobs_run_eagerly(run
     logprobs = plan(0, [(2, 0, 5, True)], {2: [10, 11]}, rng)
     logprobs.prompt_logits = np.array([4], dtype=np.int32)
     assert runner.stage(logprobs).piecewise_tokens is None
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_an_engine_with_piecewise_graphs_generates_the_eager_tokens(tmp_path, async_scheduling):
+    """The whole loop: chunked prompts make mixed steps (replayed by pieces, their deferred inputs
+    written into the static input buffers); greedy tokens equal the eager engine's, and metrics count
+    the mixed steps by launch."""
+    from spmd_engine.config import engine_config_from_dict
+    from spmd_engine.distributed import RankInfo
+    from spmd_engine.engine import Engine
+    from spmd_engine.job.prompts import PromptRequest
+    from tests.helpers.tiny_checkpoints import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path / "ckpt", max_position_embeddings=128, tokenizer=False)
+    prompts = [[5, 6, 7], list(range(40, 65)), [9] * 10 + [11], list(range(100, 131))]
+
+    def run(piecewise: bool) -> tuple[list[list[int]], dict]:
+        raw = {"model": {"name": "tiny", "path": str(path), "load_format": "auto", "hf_config": {}},
+               "workload": {"name": "chat"}, "sampling": {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True},
+               "device": "cpu", "dtype": "float32", "num_kv_blocks": 64, "block_size": 4, "max_num_seqs": 4,
+               "max_num_batched_tokens": 16, "async_scheduling": async_scheduling}
+        llm = Engine(engine_config_from_dict(raw), RankInfo(0, 1, 0, "127.0.0.1", 0, "single"))
+        try:
+            runner = llm.runner
+            if piecewise:
+                runner.inputs = InputBuffers(16, 4, runner.mirror.max_blocks, 4, runner.device)
+                runner.piecewise = PiecewiseGraphs.capture(runner.model, runner.inputs, 4,
+                                                           piecewise_token_buckets(16), RerunCapture())
+            outs = llm.generate([PromptRequest(i, None, p) for i, p in enumerate(prompts)])
+            return [o.token_ids for o in outs], llm.last_run["step_timing"]
+        finally:
+            llm.close()
+
+    eager, eager_timing = run(piecewise=False)
+    graphed, timing = run(piecewise=True)
+    assert graphed == eager
+    assert "piecewise_graph" not in eager_timing["mixed"]["launches"]
+    assert timing["mixed"]["launches"]["piecewise_graph"] == timing["mixed"]["steps"] > 0
+    # no decode graphs here: the pure decode steps replay the pieces too
+    assert timing["decode"]["launches"] == {"piecewise_graph": timing["decode"]["steps"]}
