@@ -133,7 +133,6 @@ class PiecewiseGraphs:
             buffers.load(HostBatch.unstored_prefill([1]), pad_tokens=n)
             pieces = graphs._pieces(n)
             if not graphs.static.tensors:  # the first run allocates the static buffers, outside any graph
-                graphs._allocate_attn_out()
                 for piece in pieces:
                     piece()
             if side is not None:  # compile and initialise on a side stream, as torch.cuda.graph wants
@@ -152,13 +151,6 @@ class PiecewiseGraphs:
                  time.perf_counter() - started, graphs.static.nbytes / (1 << 30))
         return graphs
 
-    def _allocate_attn_out(self) -> None:
-        """attention's output [max tokens, this rank's q heads * head_dim]: the eager attention writes it."""
-        attn = self.layers[0].self_attn.attn
-        weight = next(self.model.parameters())
-        self.static.tensors["attn_out"] = torch.zeros(self.static.max_tokens, attn.num_heads * attn.head_dim,
-                                                      dtype=weight.dtype, device=self.buffers.device)
-
     def _pieces(self, n: int) -> list[Piece]:
         """The num_layers + 1 pieces of bucket `n`, over the input buffers' first n token rows."""
         model, layers, static = self.model, self.layers, self.static
@@ -176,6 +168,8 @@ class PiecewiseGraphs:
             q, _, _, residual = layers[i].before_attention(hidden, residual, cos_sin, attn)
             static.write("q", q)
             static.write("residual", residual)
+            if "attn_out" not in static.tensors:  # the eager attention's output: q's shape (this rank's heads)
+                static.write("attn_out", torch.zeros_like(q))
 
         def after(i: int) -> tuple[torch.Tensor, torch.Tensor]:
             return layers[i].after_attention(static.read("attn_out", n), static.read("residual", n))

@@ -111,6 +111,27 @@ def test_steps_beyond_the_largest_bucket_or_with_prompt_logprobs_run_eagerly(run
     assert runner.stage(logprobs).piecewise_tokens is None
 
 
+def test_prompt_logprob_rows_follow_the_decode_first_reorder(runner):
+    """A prompt with prompt logprobs ahead of a decode in plan order: the batch puts the decode first,
+    yet the prompt rows' logits (and the sampled rows' order) equal those of the plan in batch order."""
+    rng = np.random.default_rng(2)
+    runner.execute(plan(0, [(0, 0, 5, True)], {0: [3, 17]}, rng))
+    results = []
+    for order in ([(7, 0, 6, True), (0, 5, 1, True)], [(0, 5, 1, True), (7, 0, 6, True)]):
+        step = plan(1, order, {7: [8, 9]}, np.random.default_rng(3))
+        if order[0][0] == 0:  # the same inputs in the other order
+            step.input_ids = np.roll(step.input_ids, 1)
+        step.prompt_logits = np.array([5 if s[0] == 7 else 0 for s in order], dtype=np.int32)
+        staged = runner.stage(step)
+        assert staged.piecewise_tokens is None and (staged.host.token_rows is None) == (order[0][0] == 0)
+        with torch.inference_mode():
+            sampled = runner.launch(staged).clone()
+        results.append((sampled, runner.last_prompt_logits.clone()))
+    (sampled_a, prompt_a), (sampled_b, prompt_b) = results
+    torch.testing.assert_close(prompt_a, prompt_b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sampled_a, sampled_b.flip(0), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_an_engine_with_piecewise_graphs_generates_the_eager_tokens(tmp_path, async_scheduling):
     """The whole loop: chunked prompts make mixed steps (replayed by pieces, their deferred inputs
