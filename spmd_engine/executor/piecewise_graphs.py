@@ -40,13 +40,16 @@ Capture = Callable[[Piece], Piece]  # record a piece; returns what replays it
 
 
 def piecewise_token_buckets(max_tokens: int) -> list[int]:
-    """Token counts with a graph: powers of two 16..512, every 256 to 2048, every 512 to 4096, then every
-    1024; capped by and including max_tokens. Padding stays under a quarter from 512 tokens up, where it
-    costs compute (a steady-state mixed step carries ~1,000 tokens)."""
+    """Token counts with a graph: powers of two 16..512, then steps of 256 to 2048, 512 to 4096, 1024 to
+    8192, 2048 to 16384 and 4096 beyond; capped by and including max_tokens. Padding stays under a
+    quarter from 512 tokens up, where it costs compute (a steady-state mixed step carries ~1,000
+    tokens), and the number of graphs (buckets x (layers + 1)) stays small for large budgets."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    sizes = [16, 32, 64, 128, 256] + list(range(512, 2048, 256)) + list(range(2048, 4096, 512))
-    sizes += list(range(4096, max_tokens, 1024))
+    sizes = [16, 32, 64, 128, 256]
+    for start, stop, step in ((512, 2048, 256), (2048, 4096, 512), (4096, 8192, 1024), (8192, 16384, 2048)):
+        sizes += range(start, stop, step)
+    sizes += range(16384, max_tokens, 4096)
     return sorted({n for n in sizes if n < max_tokens} | {max_tokens})
 
 

@@ -32,6 +32,8 @@ def test_buckets_are_capped_by_and_include_the_token_budget():
     assert piecewise_token_buckets(8192)[-3:] == [6144, 7168, 8192]
     assert piecewise_token_buckets(1000) == [16, 32, 64, 128, 256, 512, 768, 1000]
     assert piecewise_token_buckets(10) == [10]
+    assert piecewise_token_buckets(32768)[-9:] == [8192, 10240, 12288, 14336, 16384, 20480, 24576, 28672, 32768]
+    assert len(piecewise_token_buckets(32768)) == 28
     with pytest.raises(ValueError, match="max_tokens"):
         piecewise_token_buckets(0)
 
