@@ -6,6 +6,7 @@ one of these per step (from the rank-0 plan) and passes it explicitly into `mode
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -37,3 +38,11 @@ class AttentionMetadata:
     @property
     def num_decode_tokens(self) -> int:
         return self.num_decode_seqs  # one token each
+
+    @cached_property
+    def decode_split(self) -> tuple[int, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """(num_decode, (seq_lens, block_tables) of the decode slice, (cu_seqlens_q, seq_lens,
+        block_tables) of the rest): sliced once per step, not once per layer (host time)."""
+        n = self.num_seqs if self.is_decode else self.num_decode_seqs
+        return (n, (self.seq_lens[:n], self.block_tables[:n]),
+                (self.cu_seqlens_q[n:], self.seq_lens[n:], self.block_tables[n:]))

@@ -89,14 +89,13 @@ class Attention(nn.Module):
 
         out = torch.empty_like(q) if out is None else out
         scales = {"k_scale": self.k_scale, "v_scale": self.v_scale}
-        num_decode = attn.num_seqs if attn.is_decode else attn.num_decode_seqs
+        num_decode, (decode_lens, decode_tables), (cu_seqlens, prefill_lens, prefill_tables) = attn.decode_split
         if num_decode:
-            paged_decode_attention(q[:num_decode], self.k_cache, self.v_cache, attn.seq_lens[:num_decode],
-                                   attn.block_tables[:num_decode], self.scale, out[:num_decode], **scales)
+            paged_decode_attention(q[:num_decode], self.k_cache, self.v_cache, decode_lens, decode_tables,
+                                   self.scale, out[:num_decode], **scales)
         if num_decode < attn.num_seqs:  # cu_seqlens_q holds absolute token offsets: q and out stay whole
-            paged_prefill_attention(q, self.k_cache, self.v_cache, attn.cu_seqlens_q[num_decode:],
-                                    attn.seq_lens[num_decode:], attn.block_tables[num_decode:], self.scale,
-                                    attn.max_query_len, out, **scales)
+            paged_prefill_attention(q, self.k_cache, self.v_cache, cu_seqlens, prefill_lens, prefill_tables,
+                                    self.scale, attn.max_query_len, out, **scales)
         return out
 
     def _attend_new_tokens_only(self, q, k, v, attn: AttentionMetadata) -> torch.Tensor:
