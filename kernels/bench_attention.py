@@ -32,8 +32,9 @@ KV_FP8 = False  # --kv-fp8: float8_e4m3fn caches with per-KV-head scales
 
 
 @lru_cache(maxsize=4)
-def paged_inputs(query_len: int, seq_lens: tuple[int, ...], block_size: int, seed: int = 0):
-    """Random bf16 query and caches, each sequence's blocks scattered by a random permutation."""
+def paged_inputs(query_len: int | tuple[int, ...], seq_lens: tuple[int, ...], block_size: int, seed: int = 0):
+    """Random bf16 query and caches, each sequence's blocks scattered by a random permutation; query_len
+    is every sequence's new tokens (at most its seq_len), or one per sequence."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     blocks = [math.ceil(s / block_size) for s in seq_lens]
     num_blocks = sum(blocks)
@@ -48,7 +49,8 @@ def paged_inputs(query_len: int, seq_lens: tuple[int, ...], block_size: int, see
     for b, n in enumerate(blocks):
         tables[b, :n] = order[used : used + n]
         used += n
-    q_lens = [min(query_len, s) for s in seq_lens]
+    per_seq = query_len if isinstance(query_len, tuple) else (query_len,) * len(seq_lens)
+    q_lens = [min(n, s) for n, s in zip(per_seq, seq_lens)]
     cu = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32, device="cuda")
     query = torch.randn(int(cu[-1]), NUM_Q_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE, generator=gen)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
@@ -107,6 +109,27 @@ def bench_prefill(batch: int, length: int, block_size: int, config: PrefillConfi
     ms = median_ms(run, rep=200 if config is None else 60)
     flops = 4 * batch * NUM_Q_HEADS * HEAD_DIM * length * (length + 1) / 2  # causal pairs
     return ms, flops / ms / 1e9, err
+
+
+def bench_mixed(num_decodes: int, context: int, num_prompts: int, prompt_len: int, block_size: int):
+    """A mixed step (issue #15): decodes first, then prompt chunks. The engine's split (decode rows
+    through the decode kernel, the chunks through the prefill kernel) against every row through the
+    prefill kernel; returns (split ms, all-prefill ms, rel error of the split)."""
+    q_lens = (1,) * num_decodes + (prompt_len,) * num_prompts
+    q, kc, vc, cu, lens, tables = paged_inputs(q_lens, (context,) * (num_decodes + num_prompts), block_size)
+    scale, scales, out = HEAD_DIM**-0.5, kv_scales(), torch.empty_like(q)
+    d = num_decodes
+
+    def split():
+        paged_decode_attention(q[:d], kc, vc, lens[:d], tables[:d], scale, out=out[:d], **scales)
+        paged_prefill_attention(q, kc, vc, cu[d:], lens[d:], tables[d:], scale, prompt_len, out=out, **scales)
+
+    split()
+    err = rel_error(out, paged_attention_reference(q, kc, vc, cu, lens, tables, scale, **scales))
+    def whole():
+        paged_prefill_attention(q, kc, vc, cu, lens, tables, scale, prompt_len, out=out, **scales)
+
+    return median_ms(split), median_ms(whole), err
 
 
 def bench_sdpa_prefill(batch: int, length: int) -> float:
@@ -188,6 +211,10 @@ def main() -> None:
         )
         ms, gbs = bench_store(16 * 1024, block_size)
         rows.append(f"store_kv T=16384         bs={block_size:<4} {ms * 1e3:10.1f} us {gbs:8.0f} GB/s")
+    for decodes, prompts, prompt_len in ((250, 2, 390), (250, 6, 128), (200, 1, 1024)):
+        split_ms, whole_ms, err = bench_mixed(decodes, 1024, prompts, prompt_len, 16)
+        rows.append(f"mixed    {decodes} decodes + {prompts}x{prompt_len} prompt, ctx 1024 bs=16: split {split_ms * 1e3:8.1f} us, "
+                    f"all through prefill {whole_ms * 1e3:8.1f} us   rel_err {err:.1e}")
     sdpa = bench_sdpa_prefill(16, 1024)
     rows.append(f"torch SDPA causal 16x1024 (contiguous, unpaged; reference point): {sdpa:.1f} TFLOP/s")
     print("\n" + "\n".join(rows), flush=True)

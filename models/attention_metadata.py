@@ -6,6 +6,7 @@ one of these per step (from the rank-0 plan) and passes it explicitly into `mode
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -26,7 +27,22 @@ class AttentionMetadata:
     max_seq_len: int  # max over B of seq_lens (host int)
     block_size: int
     is_decode: bool  # every sequence has query length 1 (enables the decode kernel / CUDA graphs)
+    # the first num_decode_seqs sequences have query length 1 (their tokens are the first ones): the
+    # Triton path runs them through the split-KV decode kernel, the rest through the prefill kernel
+    num_decode_seqs: int = 0
 
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decode_seqs  # one token each
+
+    @cached_property
+    def decode_split(self) -> tuple[int, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """(num_decode, (seq_lens, block_tables) of the decode slice, (cu_seqlens_q, seq_lens,
+        block_tables) of the rest): sliced once per step, not once per layer (host time)."""
+        n = self.num_seqs if self.is_decode else self.num_decode_seqs
+        return (n, (self.seq_lens[:n], self.block_tables[:n]),
+                (self.cu_seqlens_q[n:], self.seq_lens[n:], self.block_tables[n:]))

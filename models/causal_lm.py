@@ -28,12 +28,27 @@ class CausalLM(nn.Module):
 
     shape: ModelShape
     tp: TensorParallel
-    model: nn.Module  # (input_ids, positions, attn) -> hidden; HF's `model.` parameter prefix
+    # (input_ids, positions, attn) -> hidden; HF's `model.` parameter prefix. It has `embed`, `layers`
+    # (decoder layers with `before_attention` / `after_attention` halves and `self_attn.attn`) and `norm`:
+    # its forward is embed, then per layer before_attention, attention, after_attention, then norm
+    model: nn.Module
     lm_head: ParallelLMHead
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [T] int64 -> final hidden states [T, hidden]."""
         return self.model(input_ids, positions, attn)
+
+    # --- the same forward in pieces cut at attention (spmd_engine/executor/piecewise_graphs.py) ---------
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """Token embeddings and the per-token rotary tables every layer reads."""
+        return self.model.embed(input_ids, positions)
+
+    def decoder_layers(self) -> list[nn.Module]:
+        return list(self.model.layers)
+
+    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The last layer's output (MLP output + residual stream) -> final hidden states."""
+        return self.model.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [N, hidden] -> float32 logits [N, vocab] on tp rank 0, None on the other ranks."""

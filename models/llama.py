@@ -37,7 +37,8 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    """qkv projection -> (per-head q/k transform) -> rotary -> paged attention -> output projection."""
+    """qkv projection -> (per-head q/k transform) -> rotary -> paged attention -> output projection; the
+    decoder layer calls the parts (`project`, `attn.attend`, `o_proj`) so the pieces can be graphed apart."""
 
     def __init__(self, shape: ModelShape, tp: TensorParallel, backend: str) -> None:
         super().__init__()
@@ -52,15 +53,17 @@ class LlamaAttention(nn.Module):
         """Hook on q [T, Hq, D] and k [T, Hkv, D] before rotary; Llama has none."""
         return q, k
 
-    def forward(self, hidden: torch.Tensor, cos_sin: CosSin, attn: AttentionMetadata) -> torch.Tensor:
+    def project(self, hidden: torch.Tensor, cos_sin: CosSin, attn: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv projection, q/k transform, rotary, K/V stored into the cache -> (q, k, v), each [T, heads * D]."""
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         q = q.reshape(num_tokens, -1, self.head_dim)
         k = k.reshape(num_tokens, -1, self.head_dim)
         q, k = self.transform_qk(q, k)
-        q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
-        out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v, attn)
-        return self.o_proj(out)
+        q, k = apply_rotary(q, *cos_sin).reshape(num_tokens, -1), apply_rotary(k, *cos_sin).reshape(num_tokens, -1)
+        self.attn.store(k, v, attn)
+        return q, k, v
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -73,16 +76,27 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.mlp = LlamaMLP(shape, tp)
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos_sin: CosSin,
-                attn: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (this layer's MLP output, the residual stream before it); their sum is the output."""
+    def before_attention(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos_sin: CosSin,
+                         attn: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Residual add + norm, q/k/v with K/V stored -> (q, k, v, residual). Only `attn.slot_mapping` is
+        read, so this half runs inside the piecewise CUDA graphs."""
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, cos_sin, attn)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        q, k, v = self.self_attn.project(hidden, cos_sin, attn)
+        return q, k, v, residual
+
+    def after_attention(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """o_proj, residual add + norm, MLP -> (this layer's MLP output, the residual stream before it)."""
+        hidden, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn_out), residual)
         return self.mlp(hidden), residual
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos_sin: CosSin,
+                attn: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, the residual stream before it); their sum is the output."""
+        q, k, v, residual = self.before_attention(hidden, residual, cos_sin, attn)
+        return self.after_attention(self.self_attn.attn.attend(q, k, v, attn), residual)
 
 
 class LlamaModel(nn.Module):
@@ -97,10 +111,14 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, CosSin]:
+        """Token embeddings and the rotary (cos, sin) every layer uses, in the activation dtype."""
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions)
-        cos_sin = (cos.to(hidden.dtype), sin.to(hidden.dtype))  # once here, not in every layer
+        return hidden, (cos.to(hidden.dtype), sin.to(hidden.dtype))  # once here, not in every layer
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
+        hidden, cos_sin = self.embed(input_ids, positions)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, cos_sin, attn)

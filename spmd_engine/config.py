@@ -53,6 +53,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # fix the KV pool size in blocks on any device (overrides the two above)
     max_num_seqs: int = 256  # sequences per step
     max_num_batched_tokens: int = 8192  # tokens per step (prefill chunks + decodes)
+    # prompt tokens in a step that also decodes; None: no cap (the step's token budget only)
+    max_prompt_tokens_per_mixed_step: int | None = None
     max_model_len: int | None = None  # prompt + output limit; None = min(max_position_embeddings, 4096)
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # true = no CUDA graphs
@@ -83,6 +85,8 @@ class EngineConfig:
         _check(self.cpu_kv_cache_gib > 0, f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
         _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1,
                f"num_kv_blocks must be >= 1 or null, got {self.num_kv_blocks}")
+        _check(self.max_prompt_tokens_per_mixed_step is None or self.max_prompt_tokens_per_mixed_step >= 1,
+               f"max_prompt_tokens_per_mixed_step must be >= 1 or null, got {self.max_prompt_tokens_per_mixed_step}")
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         _check(self.max_num_batched_tokens >= 1,
                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")

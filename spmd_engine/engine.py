@@ -267,7 +267,8 @@ class Engine:
 def new_scheduler(cfg: EngineConfig, max_model_len: int, num_blocks: int, eos_token_ids) -> Scheduler:
     """Rank 0's scheduler over a fresh pool of `num_blocks` KV blocks."""
     return Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, max_model_len, cfg.block_size,
-                                     num_blocks, cfg.enable_prefix_caching), set(eos_token_ids))
+                                     num_blocks, cfg.enable_prefix_caching, cfg.max_prompt_tokens_per_mixed_step),
+                     set(eos_token_ids))
 
 
 class _Generation:
@@ -372,7 +373,7 @@ class _Generation:
         if not self.llm.cfg.async_scheduling:
             self._sample_in_flight(loop)
         clock.lap("sample")
-        loop.count(plan, clock)
+        loop.count(plan, staged.launch_kind, clock)
         self.step += 1
         return True
 
@@ -519,9 +520,10 @@ class _InFlight:
     steps: int = 0
     decode_steps: int = 0
 
-    def count(self, plan: StepPlan, clock: PhaseClock) -> None:
-        """Count a launched step and record its host phases."""
-        self.timer.add(plan.num_seqs, plan.num_tokens, plan.is_decode, **clock.seconds)
+    def count(self, plan: StepPlan, launch_kind: str, clock: PhaseClock) -> None:
+        """Count a launched step and record its host phases and how it ran (decode graph, piecewise, eager)."""
+        self.timer.add(plan.num_seqs, plan.num_tokens, plan.is_decode, num_decode_seqs=int((plan.query_lens == 1).sum()),
+                       launch=launch_kind, **clock.seconds)
         self.steps += 1
         self.decode_steps += int(plan.is_decode)
 

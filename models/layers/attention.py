@@ -39,40 +39,64 @@ class Attention(nn.Module):
         self.kv_absmax: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
-        num_tokens = q.shape[0]
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        """Store this step's K/V, then attend: `store` followed by `attend`."""
+        self.store(k, v, attn)
+        return self.attend(q, k, v, attn)
+
+    def store(self, k: torch.Tensor, v: torch.Tensor, attn: AttentionMetadata) -> None:
+        """Write the step's K/V into the cache at `attn.slot_mapping` (slot -1: not stored). Its launch
+        depends only on shapes, so it runs inside CUDA graphs (the piecewise graphs capture it)."""
+        num_tokens = k.shape[0]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.k_cache is None:
             if self.kv_absmax is not None and num_tokens:
                 seen = torch.stack([k.abs().amax(dim=(0, 2)), v.abs().amax(dim=(0, 2))]).float()
                 torch.maximum(self.kv_absmax, seen, out=self.kv_absmax)
-            out = self._attend_new_tokens_only(q, k, v, attn)
         elif self.backend == "torch":
-            out = self._torch_paged(q, k, v, attn)
+            store_kv_reference(k, v, self.k_cache, self.v_cache, attn.slot_mapping, self.k_scale, self.v_scale)
         else:
-            out = self._triton_paged(q, k, v, attn)
-        return out.reshape(num_tokens, self.num_heads * self.head_dim)
+            from spmd_engine.kernels.kv_store import store_kv
 
-    def _torch_paged(self, q, k, v, attn: AttentionMetadata) -> torch.Tensor:
-        store_kv_reference(k, v, self.k_cache, self.v_cache, attn.slot_mapping, self.k_scale, self.v_scale)
-        return paged_attention_reference(q, self.k_cache, self.v_cache, attn.cu_seqlens_q, attn.seq_lens,
-                                         attn.block_tables, self.scale, self.k_scale, self.v_scale)
+            store_kv(k, v, self.k_cache, self.v_cache, attn.slot_mapping, self.k_scale, self.v_scale)
 
-    def _triton_paged(self, q, k, v, attn: AttentionMetadata) -> torch.Tensor:
-        from spmd_engine.kernels.kv_store import store_kv
+    def attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, attn: AttentionMetadata,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, Hq*D] -> [T, Hq*D] over the stored cache (written into `out` when given). k/v are read
+        only before a cache is bound (warm-up, fp8 calibration: attention over the new tokens alone)."""
+        num_tokens = q.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        if self.k_cache is None:
+            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+            v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+            result = self._attend_new_tokens_only(q, k, v, attn)
+        elif self.backend == "torch":
+            result = paged_attention_reference(q, self.k_cache, self.v_cache, attn.cu_seqlens_q, attn.seq_lens,
+                                               attn.block_tables, self.scale, self.k_scale, self.v_scale)
+        else:
+            result = self._triton_paged(q, attn, None if out is None else out.view(q.shape))
+        if out is None:
+            return result.reshape(num_tokens, self.num_heads * self.head_dim)
+        if result.data_ptr() != out.data_ptr():
+            out.view(q.shape).copy_(result)
+        return out
 
-        store_kv(k, v, self.k_cache, self.v_cache, attn.slot_mapping, self.k_scale, self.v_scale)
-        if attn.is_decode:
-            from spmd_engine.kernels.decode_attention import paged_decode_attention
-
-            return paged_decode_attention(q, self.k_cache, self.v_cache, attn.seq_lens, attn.block_tables,
-                                          self.scale, k_scale=self.k_scale, v_scale=self.v_scale)
+    def _triton_paged(self, q: torch.Tensor, attn: AttentionMetadata, out: torch.Tensor | None) -> torch.Tensor:
+        """The decode slice (query length 1, first in the batch) through the split-KV decode kernel, the
+        prompt chunks after it through the prefill kernel: host ints only, no device sync."""
+        from spmd_engine.kernels.decode_attention import paged_decode_attention
         from spmd_engine.kernels.prefill_attention import paged_prefill_attention
 
-        return paged_prefill_attention(q, self.k_cache, self.v_cache, attn.cu_seqlens_q, attn.seq_lens,
-                                       attn.block_tables, self.scale, attn.max_query_len,
-                                       k_scale=self.k_scale, v_scale=self.v_scale)
+        out = torch.empty_like(q) if out is None else out
+        scales = {"k_scale": self.k_scale, "v_scale": self.v_scale}
+        num_decode, (decode_lens, decode_tables), (cu_seqlens, prefill_lens, prefill_tables) = attn.decode_split
+        if num_decode:
+            paged_decode_attention(q[:num_decode], self.k_cache, self.v_cache, decode_lens, decode_tables,
+                                   self.scale, out[:num_decode], **scales)
+        if num_decode < attn.num_seqs:  # cu_seqlens_q holds absolute token offsets: q and out stay whole
+            paged_prefill_attention(q, self.k_cache, self.v_cache, cu_seqlens, prefill_lens, prefill_tables,
+                                    self.scale, attn.max_query_len, out, **scales)
+        return out
 
     def _attend_new_tokens_only(self, q, k, v, attn: AttentionMetadata) -> torch.Tensor:
         """Causal attention of each sequence over its own new tokens (no cache bound yet)."""

@@ -40,12 +40,17 @@ class SchedulerConfig:
     block_size: int = 16
     num_blocks: int = 1024
     enable_prefix_caching: bool = True
+    # prompt tokens (prefill chunks, admissions) in a step that also decodes; None: only the token budget
+    max_prompt_tokens_per_mixed_step: int | None = None
 
     def validate(self) -> "SchedulerConfig":
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_blocks"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        cap = self.max_prompt_tokens_per_mixed_step
+        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
+            raise ValueError(f"max_prompt_tokens_per_mixed_step must be an integer >= 1 or None, got {cap!r}")
         per_seq = -(-self.max_model_len // self.block_size)
         if self.num_blocks < per_seq:
             raise ValueError(
@@ -155,23 +160,25 @@ class Scheduler:
     def schedule(self) -> ScheduleOutput:
         out = ScheduleOutput(finished_seq_ids=self._left_since_schedule)
         self._left_since_schedule = []
-        token_budget = self._schedule_running(out, self.config.max_num_batched_tokens)
-        num_admitted = self._admit_waiting(out, token_budget)
+        budgets = self._schedule_running(out, self.config.max_num_batched_tokens, self._prompt_budget())
+        num_admitted = self._admit_waiting(out, *budgets)
         if logger.isEnabledFor(logging.DEBUG):
             self._log_schedule(out, num_admitted)
         return out
 
-    def _schedule_running(self, out: ScheduleOutput, token_budget: int) -> int:
-        """Running sequences, in admission order: decodes take 1 token, prefills their next chunk; when
-        blocks run out the most recently admitted is preempted. Returns the token budget left."""
+    def _schedule_running(self, out: ScheduleOutput, token_budget: int, prompt_budget: int) -> tuple[int, int]:
+        """Running sequences, in admission order: decodes take 1 token, prefills their next chunk (within
+        `prompt_budget` prompt tokens); when blocks run out the most recently admitted is preempted.
+        Returns the token and prompt budgets left."""
         bm = self.block_manager
         i = 0
         while i < len(self.running) and token_budget > 0:
             seq = self.running[i]
-            if self._ends_with_pending(seq):  # finishes by length once its pending token is read
-                i += 1
+            remaining = seq.num_planned_tokens - seq.num_computed_tokens
+            if self._ends_with_pending(seq) or (remaining > 1 and prompt_budget <= 0):
+                i += 1  # finishes by length once its pending token is read / no prompt budget left
                 continue
-            num_new = min(seq.num_planned_tokens - seq.num_computed_tokens, token_budget)
+            num_new = min(remaining, token_budget) if remaining == 1 else min(remaining, token_budget, prompt_budget)
             while not bm.ensure_slots(seq, seq.num_computed_tokens + num_new):
                 victim = self.running.pop()  # most recently admitted; never one already scheduled
                 self._preempt(victim)
@@ -181,10 +188,11 @@ class Scheduler:
             else:
                 out._add(seq, num_new)
                 token_budget -= num_new
+                prompt_budget -= num_new if remaining > 1 else 0
                 i += 1
-        return token_budget
+        return token_budget, prompt_budget
 
-    def _admit_waiting(self, out: ScheduleOutput, token_budget: int) -> int:
+    def _admit_waiting(self, out: ScheduleOutput, token_budget: int, prompt_budget: int) -> int:
         """Admit waiting sequences FCFS (not after a preemption: the pool is tight right now); returns
         how many were admitted."""
         bm = self.block_manager
@@ -192,14 +200,14 @@ class Scheduler:
         while (
             self.waiting
             and not out.preempted
-            and token_budget > 0
+            and min(token_budget, prompt_budget) > 0
             and len(self.running) < self.config.max_num_seqs
         ):
             seq = self.waiting[0]
             if seq.num_pending_tokens:  # preempted while its token was pending: wait for it
                 break
             bm.allocate_prefix(seq, use_cache=seq.params.prompt_logprobs is None)
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, token_budget)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, token_budget, prompt_budget)
             if not bm.ensure_slots(seq, seq.num_computed_tokens + num_new):
                 bm.undo_prefix(seq)
                 break
@@ -208,6 +216,7 @@ class Scheduler:
             self.running.append(seq)
             out._add(seq, num_new)
             token_budget -= num_new
+            prompt_budget -= num_new
             num_admitted += 1
         return num_admitted
 
@@ -248,6 +257,14 @@ class Scheduler:
         if finished:
             self.running = [s for s in self.running if not s.is_finished]
         return finished
+
+    def _prompt_budget(self) -> int:
+        """Prompt tokens this step may take: the cap when a running sequence decodes (one token left to
+        compute), else the whole token budget (start-up, or every running sequence prefilling)."""
+        cap = self.config.max_prompt_tokens_per_mixed_step
+        if cap is None or not any(s.num_planned_tokens - s.num_computed_tokens == 1 for s in self.running):
+            return self.config.max_num_batched_tokens
+        return cap
 
     def _ends_with_pending(self, seq: Sequence) -> bool:
         """A pending token that will be the sequence's last (max_tokens or max_model_len)."""

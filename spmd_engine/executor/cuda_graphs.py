@@ -34,6 +34,11 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sorted(sizes)
 
 
+def smallest_holding(sizes: list[int], n: int) -> int:
+    """The smallest of the sorted `sizes` that is >= n (the graph a padded step replays)."""
+    return sizes[bisect.bisect_left(sizes, n)]
+
+
 def decode_step(model: torch.nn.Module, batch: ForwardBatch) -> torch.Tensor | None:
     """What one graph records: forward over every (padded) row, then logits for every row."""
     hidden = model(batch.input_ids, batch.positions, batch.attn)
@@ -59,14 +64,15 @@ class DecodeGraphs:
 
     @classmethod
     @torch.inference_mode()
-    def capture(cls, model: torch.nn.Module, buffers: InputBuffers, max_num_seqs: int) -> DecodeGraphs:
+    def capture(cls, model: torch.nn.Module, buffers: InputBuffers, max_num_seqs: int, pool=None) -> DecodeGraphs:
         """Capture every size of `graph_batch_sizes(max_num_seqs)` over `buffers` (the runner's own:
-        the graphs read and write exactly those views)."""
+        the graphs read and write exactly those views); `pool`: a graph memory pool to share (the
+        piecewise graphs'), None for a new one."""
         max_blocks = buffers.max_blocks
         sizes = [n for n in graph_batch_sizes(max_num_seqs) if n <= buffers.max_tokens]
         started = time.perf_counter()
         reserved_before = torch.cuda.memory_reserved()
-        pool = torch.cuda.graph_pool_handle()
+        pool = torch.cuda.graph_pool_handle() if pool is None else pool
         side = torch.cuda.Stream()
         graphs: dict[int, _Graph] = {}
         for n in reversed(sizes):
@@ -90,7 +96,7 @@ class DecodeGraphs:
         return host.is_decode and 0 < host.num_seqs <= self.max_batch and self.buffers.fits(host)
 
     def padded_size(self, num_seqs: int) -> int:
-        return self.sizes[bisect.bisect_left(self.sizes, num_seqs)]
+        return smallest_holding(self.sizes, num_seqs)
 
     def stage(self, host: HostBatch) -> tuple[int, ForwardBatch]:
         """Copy the batch into the captured buffers, padded to the smallest graph that holds it."""

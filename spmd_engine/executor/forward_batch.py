@@ -65,6 +65,10 @@ class HostBatch:
     # inputs the previous step sampled (see StepPlan): filled on the device before the forward
     deferred_positions: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [D] int64
     deferred_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [D] int64
+    # the first num_decode_seqs sequences have query length 1 (attention's decode slice)
+    num_decode_seqs: int = 0
+    # the plan's token i is row token_rows[i] of this batch (None: the same order)
+    token_rows: np.ndarray | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -80,7 +84,8 @@ class HostBatch:
         arrays = {f.name: np.full((rows, max_blocks) if f.extent == TABLE_ROWS else rows, f.pad, dtype=f.dtype)
                   for f in BATCH_FIELDS if f.pad is not None}
         return cls(**arrays, cu_seqlens_q=np.arange(rows + 1, dtype=np.int32),
-                   logits_indices=np.arange(rows, dtype=np.int64), max_query_len=1, max_seq_len=0, is_decode=True)
+                   logits_indices=np.arange(rows, dtype=np.int64), max_query_len=1, max_seq_len=0, is_decode=True,
+                   num_decode_seqs=rows)
 
     @classmethod
     def unstored_prefill(cls, seq_lens: list[int]) -> HostBatch:
@@ -119,33 +124,64 @@ class ForwardBatch:
         self.input_ids.index_copy_(0, self.deferred_positions, prev_tokens.index_select(0, self.deferred_rows))
 
 
+def decode_first_order(query_lens: np.ndarray) -> np.ndarray | None:
+    """The batch order of a plan's sequences: the query-length-1 ones first, each group in plan
+    order, so attention runs them as one contiguous decode slice; None when the plan already is."""
+    single = query_lens == 1
+    num_decode = int(single.sum())
+    if single[:num_decode].all():
+        return None
+    return np.argsort(~single, kind="stable")
+
+
 def build_host_batch(plan: StepPlan, block_tables: np.ndarray, block_size: int) -> HostBatch:
+    """The step's arrays in batch order (decode rows first, see `decode_first_order`); the sampled
+    rows (`logits_indices`) stay in plan order, so logits row j is the plan's j-th sampled sequence."""
     if plan.is_decode:
         return _decode_host_batch(plan, block_tables, block_size)
-    q = plan.query_lens.astype(np.int64)
+    order = decode_first_order(plan.query_lens)
+    q_plan = plan.query_lens.astype(np.int64)
+    q = q_plan if order is None else q_plan[order]
+    num_computed = plan.num_computed.astype(np.int64)
+    if order is not None:
+        num_computed, block_tables = num_computed[order], block_tables[order]
     cu = np.zeros(len(q) + 1, dtype=np.int64)
     np.cumsum(q, out=cu[1:])
     total = int(cu[-1])
     seq_index = np.repeat(np.arange(len(q)), q)
     offset_in_seq = np.arange(total, dtype=np.int64) - cu[:-1][seq_index]
-    positions = plan.num_computed.astype(np.int64)[seq_index] + offset_in_seq
+    positions = num_computed[seq_index] + offset_in_seq
     blocks = block_tables[seq_index, positions // block_size].astype(np.int64)
     slot_mapping = blocks * block_size + positions % block_size
-    seq_lens = (plan.num_computed + plan.query_lens).astype(np.int32)
-    logits_indices = cu[1:][plan.sample] - 1
+    seq_lens = (num_computed + q).astype(np.int32)
+    last_rows = cu[1:] - 1
+    input_ids = plan.input_ids.astype(np.int64)
+    deferred_positions = plan.deferred_positions.astype(np.int64)
+    token_rows = None
+    if order is not None:
+        plan_starts = np.zeros(len(q), dtype=np.int64)
+        np.cumsum(q_plan[:-1], out=plan_starts[1:])
+        source = np.repeat(plan_starts[order] - cu[:-1], q) + np.arange(total, dtype=np.int64)  # plan token of row
+        token_rows = np.empty(total, dtype=np.int64)
+        token_rows[source] = np.arange(total, dtype=np.int64)
+        input_ids = input_ids[source]
+        deferred_positions = token_rows[deferred_positions]
+        last_rows = last_rows[np.argsort(order)]  # back to plan order
     return HostBatch(
-        input_ids=plan.input_ids.astype(np.int64),
+        input_ids=input_ids,
         positions=positions,
         slot_mapping=slot_mapping,
         cu_seqlens_q=cu.astype(np.int32),
         seq_lens=seq_lens,
         block_tables=block_tables,
-        logits_indices=logits_indices.astype(np.int64),
+        logits_indices=last_rows[plan.sample].astype(np.int64),
         max_query_len=int(q.max()) if len(q) else 0,
         max_seq_len=int(seq_lens.max()) if len(q) else 0,
         is_decode=plan.is_decode,
-        deferred_positions=plan.deferred_positions.astype(np.int64),
+        deferred_positions=deferred_positions,
         deferred_rows=plan.deferred_rows.astype(np.int64),
+        num_decode_seqs=int((q == 1).sum()),
+        token_rows=token_rows,
     )
 
 
@@ -169,6 +205,7 @@ def _decode_host_batch(plan: StepPlan, block_tables: np.ndarray, block_size: int
         is_decode=True,
         deferred_positions=plan.deferred_positions.astype(np.int64),
         deferred_rows=plan.deferred_rows.astype(np.int64),
+        num_decode_seqs=num,
     )
 
 
@@ -185,6 +222,7 @@ def to_device(host: HostBatch, block_size: int, device: torch.device) -> Forward
         max_seq_len=host.max_seq_len,
         block_size=block_size,
         is_decode=host.is_decode,
+        num_decode_seqs=host.num_decode_seqs,
     )
     return ForwardBatch(put(host.input_ids), put(host.positions), attn, put(host.logits_indices),
                         put(host.deferred_positions), put(host.deferred_rows))

@@ -65,11 +65,17 @@ class InputBuffers:
                 and len(host.deferred_positions) <= self.max_seqs
                 and host.block_tables.shape[1] == self.max_blocks)
 
-    def load(self, host: HostBatch, rows: int | None = None) -> ForwardBatch:
+    def device_view(self, name: str, n: int) -> torch.Tensor:
+        """The first n entries (rows of the block table) of field `name` on the device: what graphs read."""
+        return self._dev[name][:n]
+
+    def load(self, host: HostBatch, rows: int | None = None, pad_tokens: int | None = None) -> ForwardBatch:
         """Stage `host` and copy it to the device; return device views of this step's inputs.
 
         `rows` pads a decode batch to that many sequences (one token each): padded rows have slot
-        -1 (nothing stored) and seq_len 0 (the decode kernel returns zeros for them).
+        -1 (nothing stored) and seq_len 0 (the decode kernel returns zeros for them). `pad_tokens`
+        pads only the token fields to that many tokens (input 0, position 0, slot -1) and the unused
+        logits rows to row 0 (the piecewise graphs); the returned views stay the real step's.
         """
         num_seqs, num_tokens = host.num_seqs, host.num_tokens
         rows = num_seqs if rows is None else rows
@@ -88,6 +94,13 @@ class InputBuffers:
                     start, end = (num_tokens, tokens) if spec.extent == TOKENS else (num_seqs, rows)
                     a[spec.name][start:end] = spec.pad
             a["cu_seqlens_q"][num_seqs + 1: rows + 1] = np.arange(num_tokens + 1, tokens + 1, dtype=np.int32)
+        if pad_tokens is not None:
+            if not num_tokens <= pad_tokens <= self.max_tokens:
+                raise ValueError(f"cannot pad {num_tokens} tokens to {pad_tokens} (capacity {self.max_tokens})")
+            for spec in BATCH_FIELDS:
+                if spec.extent == TOKENS:
+                    a[spec.name][num_tokens:pad_tokens] = spec.pad
+            a["logits_indices"][len(host.logits_indices):] = 0
         num_logits, num_deferred = len(host.logits_indices), len(host.deferred_positions)
         tables = self.fields["block_tables"]
         end = tables.offset + rows * self.max_blocks * 4
@@ -99,7 +112,7 @@ class InputBuffers:
             slot_mapping=d["slot_mapping"][:tokens], cu_seqlens_q=d["cu_seqlens_q"][: rows + 1],
             seq_lens=d["seq_lens"][:rows], block_tables=d["block_tables"][:rows],
             max_query_len=host.max_query_len, max_seq_len=host.max_seq_len, block_size=self.block_size,
-            is_decode=host.is_decode)
+            is_decode=host.is_decode, num_decode_seqs=host.num_decode_seqs + rows - num_seqs)
         return ForwardBatch(d["input_ids"][:tokens], d["positions"][:tokens], attn, d["logits_indices"][:num_logits],
                             d["deferred_positions"][:num_deferred], d["deferred_rows"][:num_deferred])
 

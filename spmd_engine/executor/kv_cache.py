@@ -80,7 +80,7 @@ class CudaMemoryBudget:
     in_use: int  # weights, CUDA context, NCCL, other processes: total - free after the warm-up
     activation_peak: int  # extra bytes the warm-up forward at max_num_batched_tokens needed
     sampler_peak: int  # extra bytes sampling max_num_seqs rows needed (rank 0)
-    graph_pool: int  # decode CUDA graphs: the warm-up decode forward's peak at the largest graph batch
+    graph_pool: int  # decode + piecewise CUDA graphs (one pool): warm-up peaks, static outputs and buffers
 
     @property
     def kv_bytes(self) -> int:

@@ -17,6 +17,7 @@ from spmd_engine.distributed import all_reduce_min, broadcast_tensor, is_distrib
 from spmd_engine.executor.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from spmd_engine.executor.forward_batch import ForwardBatch, HostBatch, build_host_batch, to_device
 from spmd_engine.executor.input_buffers import InputBuffers
+from spmd_engine.executor.piecewise_graphs import CudaGraphCapture, PiecewiseGraphs, piecewise_token_buckets
 from spmd_engine.executor.kv_cache import (FP8_CALIBRATION_TOKENS, CudaMemoryBudget, KVCacheSpec, allocate_kv_cache,
                                   bind_kv_scales, blocks_for_bytes, calibrate_fp8_kv_scales, planned_num_blocks)
 from spmd_engine.core.plan import StepPlan
@@ -46,7 +47,15 @@ class StagedStep:
     plan: StepPlan
     host: HostBatch
     batch: ForwardBatch
-    graph_rows: int | None  # the padded decode graph to replay; None: run eagerly
+    graph_rows: int | None  # the padded decode graph to replay; None: no decode graph
+    piecewise_tokens: int | None = None  # the piecewise graphs' token bucket to replay; None: no piecewise graph
+
+    @property
+    def launch_kind(self) -> str:
+        """How `launch` runs it (telemetry.step_timing.LAUNCHES)."""
+        if self.graph_rows is not None:
+            return "decode_graph"
+        return "eager" if self.piecewise_tokens is None else "piecewise_graph"
 
 
 class ModelRunner:
@@ -81,9 +90,14 @@ class ModelRunner:
         # rank 0: float32 logits of the last launch's prompt-logprob rows (StepPlan.prompt_logits), or None
         self.last_prompt_logits: torch.Tensor | None = None
         self.graphs: DecodeGraphs | None = None
+        self.piecewise: PiecewiseGraphs | None = None  # mixed and prefill steps
         # a pool smaller than one sequence is refused by the engine right after this; capture nothing
         if self.use_graphs and self.num_blocks * settings.block_size >= settings.max_model_len:
-            self.graphs = DecodeGraphs.capture(model, self.inputs, settings.max_num_seqs)
+            pool = torch.cuda.graph_pool_handle()  # one pool: the decode graphs' logits first, then the pieces
+            self.graphs = DecodeGraphs.capture(model, self.inputs, settings.max_num_seqs, pool)
+            self.piecewise = PiecewiseGraphs.capture(model, self.inputs, settings.max_num_seqs,
+                                                     piecewise_token_buckets(settings.max_num_batched_tokens),
+                                                     CudaGraphCapture(pool))
 
     # --- sizing -------------------------------------------------------------------------
     def _fit_num_blocks(self) -> int:
@@ -106,8 +120,11 @@ class ModelRunner:
         graph_pool = 0
         if self.use_graphs:
             graph_tokens = min(s.max_num_seqs, max(s.max_num_batched_tokens, s.max_num_seqs))
-            graph_pool = self._peak_of(lambda: self._warmup_forward([graph_tokens]))
-            # every graph keeps its own float32 logits output alive in the pool
+            decode_pool = self._peak_of(lambda: self._warmup_forward([graph_tokens]))
+            # the piecewise graphs' largest bucket is the token budget: its pieces' temporaries are those of
+            # the eager step above (attention, outside the graphs, aside); they share the decode graphs' pool
+            graph_pool = max(decode_pool, activation_peak) + self._piecewise_static_bytes(s.max_num_batched_tokens)
+            # every decode graph keeps its own float32 logits output alive in the pool
             graph_pool += sum(graph_batch_sizes(s.max_num_seqs)) * self.shape.vocab_size * 4
         sampler_peak = self._peak_of(self._warmup_sampler)
         gc.collect()
@@ -115,6 +132,14 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         return CudaMemoryBudget(total, s.gpu_memory_utilization, total - free, activation_peak, sampler_peak,
                                 graph_pool)
+
+    def _piecewise_static_bytes(self, max_tokens: int) -> int:
+        """The piecewise graphs' static buffers: q and attention output (this rank's heads), residual
+        stream, rotary cos/sin (at most head_dim each) per token, float32 logits per sampled row."""
+        attn = self.model.attention_layers()[0]
+        item = next(self.model.parameters()).element_size()
+        per_token = (2 * attn.num_heads * attn.head_dim + self.shape.hidden_size + 2 * self.shape.head_dim) * item
+        return max_tokens * per_token + min(max_tokens, self.settings.max_num_seqs) * self.shape.vocab_size * 4
 
     def _peak_of(self, fn) -> int:
         gc.collect()  # an earlier job's model in this process (multirun) must not count as in use
@@ -159,6 +184,9 @@ class ModelRunner:
         if self.graphs is not None and not plan.has_prompt_logits and self.graphs.can_run(host):
             rows, batch = self.graphs.stage(host)
             return StagedStep(plan, host, batch, rows)
+        if self.piecewise is not None and not plan.has_prompt_logits and self.piecewise.can_run(host):
+            tokens, batch = self.piecewise.stage(host)
+            return StagedStep(plan, host, batch, None, tokens)
         if self.inputs is not None and self.inputs.fits(host):
             return StagedStep(plan, host, self.inputs.load(host), None)
         return StagedStep(plan, host, to_device(host, self.settings.block_size, self.device), None)
@@ -176,18 +204,22 @@ class ModelRunner:
         self.last_prompt_logits = None
         if staged.graph_rows is not None:
             return self.graphs.replay(staged.graph_rows, staged.host, batch)
+        if staged.piecewise_tokens is not None:
+            return self.piecewise.replay(staged.piecewise_tokens, staged.host, batch)
         hidden = self.model(batch.input_ids, batch.positions, batch.attn)
         if plan.has_prompt_logits:  # one LM head call for the sampled rows and the prompt-logprob rows
-            return self._logits_with_prompt_rows(hidden, batch.logits_indices, plan)
+            return self._logits_with_prompt_rows(hidden, batch.logits_indices, staged)
         if batch.logits_indices.numel() == 0:
             return None
         return self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
 
-    def _logits_with_prompt_rows(self, hidden: torch.Tensor, sample_rows: torch.Tensor, plan: StepPlan
+    def _logits_with_prompt_rows(self, hidden: torch.Tensor, sample_rows: torch.Tensor, staged: StagedStep
                                  ) -> torch.Tensor | None:
         """Sampled rows' logits (returned) and the prompt rows' (kept in last_prompt_logits on rank 0);
         every rank runs the same LM head rows (a collective gather under tensor parallelism)."""
-        prompt_rows = host_to_device(prompt_logit_rows(plan.query_lens, plan.prompt_logits), self.device)
+        plan, token_rows = staged.plan, staged.host.token_rows
+        rows = prompt_logit_rows(plan.query_lens, plan.prompt_logits)  # plan token order
+        prompt_rows = host_to_device(rows if token_rows is None else token_rows[rows], self.device)
         num_sampled = sample_rows.numel()
         logits = self.model.compute_logits(hidden.index_select(0, torch.cat([sample_rows, prompt_rows])))
         if logits is None:
@@ -217,6 +249,9 @@ class ModelRunner:
 
     def close(self) -> None:
         """Free CUDA graphs before the process group goes (NCCL hangs on destroy otherwise)."""
+        if self.piecewise is not None:
+            self.piecewise.close()
+            self.piecewise = None
         if self.graphs is not None:
             self.graphs.close()
             self.graphs: DecodeGraphs | None = None

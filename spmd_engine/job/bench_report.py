@@ -72,7 +72,7 @@ def bench_report(llm, outputs, wall_s: float) -> dict:
                  wall_s, floor, 100 * report["fraction_of_floor"], rates["copy_bytes_per_s"] / 1e12,
                  rates["matmul_flop_per_s"] / 1e12)
     timing = llm.last_run.get("step_timing", {})
-    for kind in ("decode_max_batch", "decode", "prefill_or_mixed"):
+    for kind in ("decode_max_batch", "decode", "mixed", "prefill"):
         row = timing.get(kind)
         if row:
             idle = (f"; GPU idle {row['gpu_idle_ms']:.3f} ms ({100 * row['gpu_idle_fraction']:.1f}%)"
@@ -82,6 +82,8 @@ def bench_report(llm, outputs, wall_s: float) -> dict:
                      row["steps"], row["step_ms"], row["mean_seqs"], row["wait_ms"], row["postprocess_ms"],
                      row["schedule_ms"], row["broadcast_ms"], row["inputs_ms"], row["sample_ms"], row["forward_ms"],
                      100 * row["host_plan_fraction"], idle)
+            if "launches" in row:
+                log.info("bench %s steps by launch: %s", kind, ", ".join(f"{k} {n}" for k, n in row["launches"].items()))
     return report
 
 

@@ -14,6 +14,7 @@ import numpy as np
 
 PHASES = ("wait", "postprocess", "schedule", "broadcast", "inputs", "sample", "forward")
 HOST_PLAN_PHASES = ("schedule", "broadcast", "inputs")  # building, sending and staging the plan
+LAUNCHES = ("decode_graph", "piecewise_graph", "eager")  # how a step's forward ran (ModelRunner)
 
 
 class PhaseClock:
@@ -40,18 +41,27 @@ class StepTimer:
     is_decode: list[bool] = field(default_factory=list)
     phases: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in PHASES})
     gpu_idle_ms: list[float | None] = field(default_factory=list)  # per step, CUDA only
+    # per step when the caller knows them: sequences with one new token (a non-decode step with some is
+    # "mixed", without any "prefill"), and how the forward ran (LAUNCHES)
+    num_decode_seqs: list[int | None] = field(default_factory=list)
+    launches: list[str | None] = field(default_factory=list)
 
     def set_gpu_idle(self, per_step_ms: list[float | None]) -> None:
         if per_step_ms and len(per_step_ms) != len(self):
             raise ValueError(f"{len(per_step_ms)} GPU idle times for {len(self)} steps")
         self.gpu_idle_ms = list(per_step_ms)
 
-    def add(self, num_seqs: int, num_tokens: int, is_decode: bool, **durations: float) -> None:
+    def add(self, num_seqs: int, num_tokens: int, is_decode: bool, *, num_decode_seqs: int | None = None,
+            launch: str | None = None, **durations: float) -> None:
         if set(durations) != set(PHASES):
             raise ValueError(f"step timing needs exactly the phases {PHASES}, got {sorted(durations)}")
+        if launch is not None and launch not in LAUNCHES:
+            raise ValueError(f"launch must be one of {LAUNCHES}, got {launch!r}")
         self.num_seqs.append(num_seqs)
         self.num_tokens.append(num_tokens)
         self.is_decode.append(is_decode)
+        self.num_decode_seqs.append(num_decode_seqs)
+        self.launches.append(launch)
         for name, seconds in durations.items():
             self.phases[name].append(seconds)
 
@@ -59,13 +69,17 @@ class StepTimer:
         return len(self.num_seqs)
 
     def summary(self) -> dict:
-        """Mean milliseconds per phase for: all steps, decode steps, mixed/prefill steps, and decode
-        steps at the largest batch seen; plus the host plan work as a fraction of the step time."""
+        """Mean milliseconds per phase for: all steps, decode steps, mixed/prefill steps (and apart:
+        mixed steps, with decodes, and pure prefill steps), and decode steps at the largest batch seen;
+        plus the host plan work as a fraction of the step time and the steps per launch kind."""
         if not self.num_seqs:
             return {"steps": 0}
         seqs = np.asarray(self.num_seqs)
         decode = np.asarray(self.is_decode)
+        with_decodes = np.asarray([n is not None and n > 0 for n in self.num_decode_seqs], dtype=bool)
+        known = np.asarray([n is not None for n in self.num_decode_seqs], dtype=bool)
         groups = {"all": np.ones_like(decode), "decode": decode, "prefill_or_mixed": ~decode,
+                  "mixed": ~decode & with_decodes, "prefill": ~decode & known & ~with_decodes,
                   "decode_max_batch": decode & (seqs == seqs[decode].max() if decode.any() else False)}
         out: dict = {"steps": len(self)}
         for name, mask in groups.items():
@@ -82,6 +96,9 @@ class StepTimer:
                "step_ms": float(step.mean()), "step_p50_ms": float(np.percentile(step, 50))}
         row.update({f"{p}_ms": float(v.mean()) for p, v in ms.items()})
         row["host_plan_ms"] = float(host_plan.mean())
+        launches = [launch for launch, m in zip(self.launches, mask) if m and launch is not None]
+        if launches:
+            row["launches"] = {kind: launches.count(kind) for kind in LAUNCHES if kind in launches}
         row["host_plan_fraction"] = float(host_plan.sum() / step.sum()) if step.sum() > 0 else 0.0
         if self.gpu_idle_ms:
             idle = np.asarray([np.nan if v is None else v for v in self.gpu_idle_ms])[mask]

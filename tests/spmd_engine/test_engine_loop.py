@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pickle
 import random
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
@@ -30,6 +31,14 @@ from spmd_engine.job.prompts import PromptRequest
 
 VOCAB, EOS = 6, 1  # a tiny vocabulary: greedy tokens on random logits hit EOS now and then
 NUM_OTHER_RANKS = 2
+
+
+@dataclass
+class FakeStaged:
+    """ModelRunner's StagedStep as the engine sees it."""
+
+    plan: StepPlan
+    launch_kind: str = "eager"
 
 
 class FakeRunner:
@@ -52,18 +61,19 @@ class FakeRunner:
             mirror.apply(pickle.loads(pickle.dumps(plan)))
         return plan
 
-    def stage(self, plan: StepPlan) -> StepPlan:
+    def stage(self, plan: StepPlan) -> FakeStaged:
         self.mirror.apply(plan)
         expected = {s.seq_id: list(s.block_table) for s in self.scheduler.running}
         for rank, mirror in enumerate([self.mirror, *self.others]):
             assert mirror.tables() == expected, f"step {plan.step}: rank {rank}'s tables differ from the scheduler's"
         self.checked_steps += 1
-        return plan
+        return FakeStaged(plan)
 
     def apply_stop(self, plan: StepPlan) -> None:
         self.mirror.apply(plan)
 
-    def launch(self, plan: StepPlan, prev_tokens: torch.Tensor | None) -> torch.Tensor | None:
+    def launch(self, staged: FakeStaged, prev_tokens: torch.Tensor | None) -> torch.Tensor | None:
+        plan = staged.plan
         if plan.num_prev_sampled:
             assert prev_tokens is not None and prev_tokens.shape[0] >= plan.num_prev_sampled
         rows = int(plan.sample.sum())

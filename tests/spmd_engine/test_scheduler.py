@@ -72,6 +72,37 @@ def test_chunked_prefill_of_several_sequences_mixed_with_decodes():
     assert sched.running[0].token_ids[-3:] == [5, 5, 5]
 
 
+def test_prompt_tokens_of_a_step_with_decodes_are_capped():
+    """max_prompt_tokens_per_mixed_step: once a sequence decodes, prefill chunks and admissions share
+    the cap (decodes do not count); a step without decodes still takes the whole token budget."""
+    sched = make(max_num_batched_tokens=16, max_prompt_tokens_per_mixed_step=5)
+    for i in range(3):
+        sched.add(seq(i, 10, first=10 * i + 1))
+    out, _ = fixed_token_step(sched)
+    assert rows(out) == [(0, 0, 10, True), (1, 0, 6, False)]  # nothing decodes yet: the token budget
+    out, _ = fixed_token_step(sched)
+    assert rows(out) == [(0, 10, 1, True), (1, 6, 4, True), (2, 0, 1, False)]
+    out, _ = fixed_token_step(sched)
+    assert rows(out) == [(0, 11, 1, True), (1, 10, 1, True), (2, 1, 5, False)]
+    out, _ = fixed_token_step(sched)
+    assert rows(out) == [(0, 12, 1, True), (1, 11, 1, True), (2, 6, 4, True)]
+
+
+def test_a_prefill_ahead_of_a_decode_takes_the_cap_and_admission_waits():
+    sched = make(max_num_batched_tokens=16, max_prompt_tokens_per_mixed_step=3)
+    sched.add(seq(0, 2))
+    fixed_token_step(sched)
+    sched.add(seq(1, 12, first=30))
+    sched.add(seq(2, 12, first=50))
+    out, _ = fixed_token_step(sched)
+    assert rows(out) == [(0, 2, 1, True), (1, 0, 3, False)]
+    sched.running.reverse()  # a prefill ahead of a decode (as after a preemption's readmission)
+    out, _ = fixed_token_step(sched)
+    assert rows(out) == [(1, 3, 3, False), (0, 3, 1, True)] and sched.num_waiting == 1
+    with pytest.raises(ValueError, match="max_prompt_tokens_per_mixed_step must be an integer >= 1 or None"):
+        make(max_prompt_tokens_per_mixed_step=0)
+
+
 def test_decode_gets_its_slot_before_the_forward():
     sched = make()
     sched.add(seq(0, 4))
@@ -279,14 +310,17 @@ def random_requests(rng: random.Random, count: int, max_model_len: int) -> list[
     return reqs
 
 
+@pytest.mark.parametrize("cap", [False, True])
 @pytest.mark.parametrize("prefix_caching", [True, False])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_random_simulation_keeps_invariants_and_finishes(seed, prefix_caching):
+def test_random_simulation_keeps_invariants_and_finishes(seed, prefix_caching, cap):
     rng = random.Random(seed)
     sched = make(max_num_seqs=rng.randint(2, 6), max_num_batched_tokens=rng.randint(3, 20),
                  num_blocks=rng.randint(8, 14), enable_prefix_caching=prefix_caching)
     model = FakeKVModel(sched)
     reqs = random_requests(rng, 40, sched.config.max_model_len)
+    if cap:  # its own draw: the other seeds' schedules stay as they were
+        sched.config.max_prompt_tokens_per_mixed_step = random.Random(seed).randint(1, 6)
     pending = list(reqs)
     finished = []
     for _step in range(3000):

@@ -55,3 +55,18 @@ def test_a_phase_clock_charges_every_gap_to_the_next_lap_and_sums_repeated_phase
     timer = StepTimer()
     timer.add(1, 1, True, **clock.seconds)
     assert timer.summary()["all"]["step_ms"] == pytest.approx(3250.0)
+
+
+def test_mixed_and_pure_prefill_steps_apart_with_their_launch_kinds():
+    timer = StepTimer()
+    timer.add(200, 1000, False, num_decode_seqs=190, launch="piecewise_graph", **phases(forward=0.006))
+    timer.add(200, 9000, False, num_decode_seqs=190, launch="eager", **phases(forward=0.010))
+    timer.add(8, 4000, False, num_decode_seqs=0, launch="eager", **phases(forward=0.020))
+    timer.add(200, 200, True, num_decode_seqs=200, launch="decode_graph", **phases(forward=0.001))
+    s = timer.summary()
+    assert s["mixed"]["steps"] == 2 and s["mixed"]["step_ms"] == pytest.approx(8.0)
+    assert s["mixed"]["launches"] == {"piecewise_graph": 1, "eager": 1}
+    assert s["prefill"]["steps"] == 1 and s["prefill"]["launches"] == {"eager": 1}
+    assert s["prefill_or_mixed"]["steps"] == 3 and s["decode"]["launches"] == {"decode_graph": 1}
+    with pytest.raises(ValueError, match="launch must be one of"):
+        timer.add(1, 1, True, launch="graph", **phases())

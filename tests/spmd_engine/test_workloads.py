@@ -56,3 +56,22 @@ def test_text_the_user_gave_still_needs_a_tokenizer():
 
     requests = build_requests(_chat_cfg(prompts=["hello"]), None, vocab_size=500)
     assert [r.error for r in requests] == [NO_TOKENIZER_ERROR]
+
+
+def test_steady_state_bench_preset_is_the_bench_with_2048_requests():
+    """workload=bench_steady (issue #15): the bench's lengths, 2048 requests; the first 256 prompts are the bench's."""
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from spmd_engine.config import engine_config_from_dict
+
+    conf = Path(__file__).resolve().parents[2] / "conf"
+    with initialize_config_dir(version_base="1.3", config_dir=str(conf)):
+        raw = OmegaConf.to_container(compose(config_name="config", overrides=["workload=bench_steady"]), resolve=True)
+    cfg = engine_config_from_dict(raw)
+    assert cfg.workload.name == "bench" and cfg.workload.params["num_seqs"] == 2048
+    requests = bench_requests(cfg.workload.params)
+    assert len(requests) == 2048
+    assert [r.prompt_token_ids for r in requests[:256]] == [r.prompt_token_ids for r in bench_requests({})]

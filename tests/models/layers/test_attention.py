@@ -68,6 +68,28 @@ def test_chunked_prefill_then_decode_over_paged_cache(backend):
         torch.testing.assert_close(out, torch.cat([exp[r] for exp, r in zip(expected, rows)]), rtol=1e-4, atol=1e-4)
 
 
+def test_mixed_batch_split_into_decode_and_prefill_kernels_equals_all_prefill():
+    """Decode rows first (query length 1) through the decode kernel, the prompt chunks through the
+    prefill kernel: the same output as every row through the prefill kernel, and as the reference."""
+    tables = torch.tensor([[7, 2, 0], [3, 10, 5], [1, 4, 6], [8, 9, 11]], dtype=torch.int32)
+    cached = [(0, 6), (0, 9), (0, 4), (0, 3)]  # earlier steps' K/V
+    step = [(6, 1), (9, 1), (4, 5), (3, 2)]  # two decodes, then two prompt chunks
+    layer = bound_layer("triton")
+    q, k, v = qkv(sum(n for _, n in cached), seed=3)
+    layer(q, k, v, metadata(cached, tables))
+    q, k, v = qkv(sum(n for _, n in step), seed=4)
+    layer.store(k, v, metadata(step, tables))
+    split = metadata(step, tables)
+    split.num_decode_seqs = 2
+    all_prefill = layer.attend(q, None, None, metadata(step, tables))
+    out = torch.full_like(q, float("nan"))
+    assert layer.attend(q, None, None, split, out=out) is out
+    torch.testing.assert_close(out, all_prefill, rtol=1e-5, atol=1e-5)
+    reference = bound_layer("torch")
+    reference.k_cache, reference.v_cache = layer.k_cache, layer.v_cache
+    torch.testing.assert_close(out, reference.attend(q, None, None, split), rtol=1e-4, atol=1e-4)
+
+
 def test_unknown_backend_is_a_value_error():
     with pytest.raises(ValueError, match="attention_backend must be one of torch, triton"):
         Attention(HQ, HKV, D, 1.0, "flash")
