@@ -44,5 +44,9 @@ class AttentionMetadata:
         """(num_decode, (seq_lens, block_tables) of the decode slice, (cu_seqlens_q, seq_lens,
         block_tables) of the rest): sliced once per step, not once per layer (host time)."""
         n = self.num_seqs if self.is_decode else self.num_decode_seqs
-        return (n, (self.seq_lens[:n], self.block_tables[:n]),
-                (self.cu_seqlens_q[n:], self.seq_lens[n:], self.block_tables[n:]))
+        # the prompt part's small tensors are copied, not sliced: a slice starting at sequence n is 16-byte
+        # aligned only when n is, and Triton compiles a kernel per pointer alignment (a second prefill
+        # kernel compiled in the middle of a job: ~1 s of one mixed step on an H200)
+        rest = (self.cu_seqlens_q[n:].clone(), self.seq_lens[n:].clone(), self.block_tables[n:]) if n else (
+            self.cu_seqlens_q, self.seq_lens, self.block_tables)
+        return n, (self.seq_lens[:n], self.block_tables[:n]), rest
