@@ -176,13 +176,15 @@ def _generate(llm: Engine, cfg: EngineConfig, ranks: RankInfo, output_dir: Path 
     gate = supervisor.start_gate()
     llm.faults.before_requests()
     board = _board(supervisor) if llm.replica.count > 1 else None
+    # every replica's leader decodes its outputs; loaded before the gate, so all start claiming together
+    tokenizer = (load_tokenizer(llm.source.tokenizer_dir)
+                 if llm.source.tokenizer_dir and llm.replica.is_leader else None)
     if not ranks.is_first:
         refusal = gate.wait() if gate is not None else None  # rank 0 prepares the requests first
         if refusal is not None:
             raise ConfigError(refusal)  # rank 0 refused the requests (a user error): leave with it
-        _serve_replica(llm, cfg, board)
+        _serve_replica(llm, cfg, board, tokenizer)
         return {}
-    tokenizer = load_tokenizer(llm.source.tokenizer_dir) if llm.source.tokenizer_dir else None
     feed, writer = _open_requests(llm, cfg, tokenizer, output_dir, gate)
     if gate is not None:
         gate.open()  # everything slow on rank 0 alone is done: the plans follow
@@ -201,7 +203,7 @@ def _decoders(tokenizer) -> tuple[Any, Any]:
     return (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)), (lambda token: tokenizer.decode([token]))
 
 
-def _serve_replica(llm: Engine, cfg: EngineConfig, board: ChunkBoard | None) -> None:
+def _serve_replica(llm: Engine, cfg: EngineConfig, board: ChunkBoard | None, tokenizer) -> None:
     """Every rank but 0: follow the replica's plans, or (a replica's leader) claim chunks, generate and
     post the rows to rank 0; with replicas, stay until rank 0 has every row (leaving early would look
     like a dead peer to the others' watchdogs)."""
@@ -213,7 +215,6 @@ def _serve_replica(llm: Engine, cfg: EngineConfig, board: ChunkBoard | None) -> 
     else:
         if bench_warmup:
             run_bench_warmup(llm)
-        tokenizer = load_tokenizer(llm.source.tokenizer_dir) if llm.source.tokenizer_dir else None
         decode, token_text = _decoders(tokenizer)
         claimed, poster = ClaimedRequests(board), RowPoster(board, llm.replica.index)
         t0 = time.perf_counter()
