@@ -6,6 +6,7 @@ through long ones; a replica claims the next chunk only when its batch has room,
 take more. Store keys (under one job's prefix):
   chunk/<k>     rank 0's k-th chunk (a pickled list of PromptRequest), deleted by its claimer
   chunks        the number of chunks, once the requests are exhausted
+  ready         replica leaders at their first claim (`store.add`): claims start when all are there
   next_chunk    the claim counter (`store.add`): a replica leader's claim is the value it got, minus one
   out/<r>/<n>   replica r's n-th finished row (pickled `RequestOutput.to_json`), deleted once written
   done/<r>      replica r's end: its rows count and its RunningStats
@@ -43,6 +44,16 @@ class ChunkBoard:
 
     def close(self, num_chunks: int) -> None:
         self.store.set(self._key("chunks"), str(num_chunks))
+
+    def arrive_and_wait(self, replicas: int, alive: Callable[[], None] = lambda: None) -> None:
+        """Wait for every replica's leader to reach its first claim: one that started early (rank 0
+        opens the start gate, the others see it a poll later) would otherwise claim the first batch
+        of every replica."""
+        key = self._key("ready")
+        self.store.add(key, 1)
+        while self.store.add(key, 0) < replicas:
+            alive()
+            time.sleep(POLL_S)
 
     def claimed(self) -> int:
         return self.store.add(self._key("next_chunk"), 0)
@@ -94,11 +105,15 @@ class ClaimedRequests:
     pulls only when its batch has room); the time spent waiting for a chunk is not busy time."""
 
     board: ChunkBoard
+    replicas: int
     alive: Callable[[], None] = lambda: None
     waited_s: float = 0.0
     claimed: int = 0  # requests this replica took
 
     def __iter__(self) -> Iterator[PromptRequest]:
+        t0 = time.perf_counter()
+        self.board.arrive_and_wait(self.replicas, self.alive)
+        self.waited_s += time.perf_counter() - t0
         while True:
             t0 = time.perf_counter()
             chunk = self.board.claim(self.alive)
@@ -143,15 +158,18 @@ class Dispatcher(threading.Thread):
     def run(self) -> None:
         try:
             while not self._halt.is_set():
-                self.round()
-                time.sleep(DISPATCH_POLL_S)
+                if not self.round():
+                    time.sleep(DISPATCH_POLL_S)  # nothing to publish or write: poll again soon
         except BaseException as exc:  # noqa: BLE001 - handed to the main thread (`check`)
             self.error = exc
 
-    def round(self) -> None:
+    def round(self) -> bool:
+        """Publish up to the lookahead, write the posted rows; whether there was anything to do."""
         with self._lock:
             ahead = LOOKAHEAD_PER_REPLICA * self.num_replicas
+            worked = False
             while not self.exhausted and self.published < self.board.claimed() + ahead:
+                worked = True
                 chunk = next(self.chunks, None)
                 if chunk is None:
                     self.board.close(self.published)
@@ -159,9 +177,10 @@ class Dispatcher(threading.Thread):
                 else:
                     self.board.publish(self.published, chunk)
                     self.published += 1
-            self._collect()
+            return self._collect() or worked
 
-    def _collect(self) -> None:
+    def _collect(self) -> bool:
+        written = sum(self.taken)
         for replica in range(1, self.num_replicas):
             if replica not in self.reports:
                 report = self.board.done(replica)  # read before the rows: every row it counts is posted
@@ -170,6 +189,7 @@ class Dispatcher(threading.Thread):
             while (row := self.board.take_row(replica, self.taken[replica])) is not None:
                 self.write_row(row)
                 self.taken[replica] += 1
+        return sum(self.taken) > written
 
     def check(self) -> None:
         """Raise the thread's failure in the caller (a replica waiting for chunks, or the final wait)."""

@@ -216,7 +216,7 @@ def _serve_replica(llm: Engine, cfg: EngineConfig, board: ChunkBoard | None, tok
         if bench_warmup:
             run_bench_warmup(llm)
         decode, token_text = _decoders(tokenizer)
-        claimed, poster = ClaimedRequests(board), RowPoster(board, llm.replica.index)
+        claimed, poster = ClaimedRequests(board, llm.replica.count), RowPoster(board, llm.replica.index)
         t0 = time.perf_counter()
         llm.generate(claimed, on_finish=poster, decode=decode, token_text=token_text, keep_outputs=False)
         busy = time.perf_counter() - t0 - claimed.waited_s
@@ -252,6 +252,8 @@ def _open_requests(llm: Engine, cfg: EngineConfig, tokenizer, output_dir: Path |
                 gate.refuse(str(error))
             raise error
         log.info("resume: %d requests already in %s, %d to run", len(feed.finished), outputs_path, feed.remaining)
+    log.info("%d requests, read and tokenized %d at a time as %s", feed.remaining, feed.chunk_size,
+             "the batch has room" if llm.replica.count == 1 else f"{llm.replica.count} replicas ask for them")
     final_form = None
     if cfg.output_format == "openai":
         from spmd_engine.job.openai_batch import batch_output
@@ -269,7 +271,7 @@ def _lead(llm: Engine, cfg: EngineConfig, feed: RequestFeed, writer: OutputsWrit
     sink = _RowSink(writer, _progress_bar(feed.remaining),
                     [] if cfg.workload.name == "chat" and feed.remaining <= PRINT_LIMIT else None)
     dispatcher = Dispatcher(board, feed.chunks(), llm.replica.count, sink.row) if board is not None else None
-    requests = ClaimedRequests(board, dispatcher.check) if dispatcher is not None else feed
+    requests = ClaimedRequests(board, llm.replica.count, dispatcher.check) if dispatcher is not None else feed
     decode, token_text = _decoders(tokenizer)
     keep = cfg.workload.name == "bench"  # the bench report reads the outputs; a chat job keeps none
     t0 = time.perf_counter()

@@ -22,7 +22,7 @@ def test_chunks_go_to_one_replica_each_and_every_row_comes_back():
     claimed: dict[int, list[int]] = {}
 
     def replica(index: int) -> None:
-        feed, poster = ClaimedRequests(board, dispatcher.check), RowPoster(board, index)
+        feed, poster = ClaimedRequests(board, 3, dispatcher.check), RowPoster(board, index)
         claimed[index] = []
         for request in feed:
             claimed[index].append(request.index)
