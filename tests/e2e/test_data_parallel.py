@@ -48,15 +48,15 @@ def test_replicas_give_the_one_process_tokens_in_one_outputs_file(tiny_qwen3: Pa
 
 @pytest.mark.slow
 def test_a_replica_given_a_long_request_takes_fewer_requests(tiny_qwen3: Path, tmp_path: Path):
-    """Request 0 generates 100 tokens, the 15 others 1 each, one sequence per replica at a time: the
+    """Request 0 generates 120 tokens, the 15 others 1 each, one sequence per replica at a time: the
     replica that drew request 0 must not get half of the job (a split up front gives 8 and 8)."""
-    rows = [{"prompt_token_ids": [5, 6, 7], "max_tokens": 100}] + [{"prompt_token_ids": [9, i], "max_tokens": 1}
+    rows = [{"prompt_token_ids": [5, 6, 7], "max_tokens": 120}] + [{"prompt_token_ids": [9, i], "max_tokens": 1}
                                                                    for i in range(15)]
     prompts = write_prompts_file(tmp_path / "prompts.jsonl", rows)
     args = tiny_args(tiny_qwen3, tmp_path / "job", prompts, max_num_seqs=1, data_parallel_size=2)
     _run(args, tmp_path, nproc=2)
     outputs = read_outputs(tmp_path / "job")
-    assert [len(r["token_ids"]) for r in outputs] == [100] + [1] * 15
+    assert [len(r["token_ids"]) for r in outputs] == [120] + [1] * 15
     counts = _replica_requests(tmp_path / "job")
     assert min(counts) <= 4, counts
     busy = [r["busy_s"] for r in read_metrics(tmp_path / "job")["replicas"]]
