@@ -293,10 +293,10 @@ def _lead(llm: Engine, cfg: EngineConfig, feed: RequestFeed, writer: OutputsWrit
         if writer is not None:
             writer.close()
     wall = time.perf_counter() - t0
+    if board is not None:
+        board.finish()  # every row is appended to outputs.jsonl: the other ranks may leave (not watched after)
     if writer is not None:
         writer.finalize()
-    if board is not None:
-        board.finish()  # every row is in outputs.jsonl: the other ranks may leave
     if sink.shown is not None:
         _print_completions(sorted(sink.shown, key=lambda row: row["index"]))
     return _job_stats(llm, cfg, sink, dispatcher, busy, wall, outputs)
