@@ -13,6 +13,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.e2e.engine_args import tiny_args, write_prompts_file
 from tests.helpers.run_engine import engine_command, engine_env
 
@@ -47,6 +49,7 @@ def _first_row(proc: subprocess.Popen, outputs: Path, started: float, timeout_s:
         proc.wait()
 
 
+@pytest.mark.slow  # two jobs side by side
 def test_a_big_prompts_file_starts_at_once_in_bounded_memory(tiny_qwen3: Path, tmp_path: Path):
     small = write_prompts_file(tmp_path / "small.jsonl", [LINE.strip()] * 5)
     big = tmp_path / "big.jsonl"
