@@ -70,7 +70,8 @@ class EngineConfig:
     # weights near bandwidth; false: cuBLAS for every size
     small_batch_gemv: bool = True
     seed: int = 0
-    tensor_parallel_size: int | None = None  # None = the world size; if set it must equal it
+    tensor_parallel_size: int | None = None  # ranks per replica; None: derived from the world size
+    data_parallel_size: int | None = None  # replicas of tensor_parallel_size ranks each; None: derived
     dist_timeout_s: float = 45.0  # no rank making progress (computing, a new step) this long ends the job
     startup_timeout_s: float = 600.0  # rendezvous wait and collectives before generation
     log_level: str = "INFO"
@@ -103,9 +104,7 @@ class EngineConfig:
                f"tp_reduce_dtype must be one of float32|model, got {self.tp_reduce_dtype!r}")
         _check(self.model.load_format in ("auto", "dummy"),
                f"model.load_format must be auto or dummy, got {self.model.load_format!r}")
-        _check(self.tensor_parallel_size in (None, world_size),
-               f"tensor_parallel_size={self.tensor_parallel_size} must equal the number of ranks "
-               f"({world_size}); launch with torchrun --nproc_per_node={self.tensor_parallel_size}")
+        self.parallel_sizes(world_size)
         _check(self.dist_timeout_s > 0, f"dist_timeout_s must be > 0, got {self.dist_timeout_s}")
         _check(self.startup_timeout_s > 0, f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")
         _check(not (self.prompts is not None and self.prompts_file is not None),
@@ -118,6 +117,29 @@ class EngineConfig:
         _check(not (self.resume and self.output_format == "openai"),
                "resume=true needs output_format=rows (a resumed job checks its kept rows' prompts and sampling)")
         _check(self.workload.name in ("chat", "bench"), f"workload must be chat or bench, got {self.workload.name!r}")
+
+
+    def parallel_sizes(self, world_size: int) -> tuple[int, int]:
+        """(data_parallel_size, tensor_parallel_size) for `world_size` ranks, or ConfigError.
+
+        Why derived here: neither set keeps the old meaning (one replica over every rank); one set
+        gives the other; both must multiply to the number of ranks."""
+        dp, tp = self.data_parallel_size, self.tensor_parallel_size
+        _check(dp is None or dp >= 1, f"data_parallel_size must be >= 1 or null, got {dp}")
+        _check(tp is None or tp >= 1, f"tensor_parallel_size must be >= 1 or null, got {tp}")
+        if dp is None and tp is None:
+            return 1, world_size
+        if tp is None:
+            _check(world_size % dp == 0, f"data_parallel_size={dp} must divide the number of ranks ({world_size}); "
+                                         f"launch a multiple of {dp} ranks or set tensor_parallel_size")
+            return dp, world_size // dp
+        if dp is None:
+            _check(world_size % tp == 0, f"tensor_parallel_size={tp} must divide the number of ranks ({world_size}); "
+                                         f"launch with torchrun --nproc_per_node={tp} (or a multiple of it)")
+            return world_size // tp, tp
+        _check(dp * tp == world_size, f"data_parallel_size={dp} x tensor_parallel_size={tp} = {dp * tp} must equal "
+                                      f"the number of ranks ({world_size}); launch {dp * tp} ranks")
+        return dp, tp
 
 
 @dataclass(frozen=True)

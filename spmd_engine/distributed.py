@@ -138,35 +138,87 @@ def is_distributed() -> bool:
     return dist.is_initialized() and dist.get_world_size() > 1
 
 
-def broadcast_object(obj: object, src: int = 0) -> object:
-    """Send one picklable object from `src` to every rank over the CPU side of the group."""
+def broadcast_object(obj: object, src: int = 0, group: dist.ProcessGroup | None = None) -> object:
+    """Send one picklable object from global rank `src` to every rank of `group` (None: all ranks)
+    over the CPU side of the group."""
     if not is_distributed():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src, device=torch.device("cpu"))
+    dist.broadcast_object_list(box, src=src, group=group, device=torch.device("cpu"))
     return box[0]
 
 
-def broadcast_tensor(t: torch.Tensor, src: int = 0) -> torch.Tensor:
-    """Broadcast a tensor in place from `src` (a CUDA tensor over NCCL: queued, the host goes on)."""
+def broadcast_tensor(t: torch.Tensor, src: int = 0, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Broadcast a tensor in place from global rank `src` over `group` (a CUDA tensor over NCCL: queued,
+    the host goes on)."""
     if is_distributed():
-        dist.broadcast(t, src=src)
+        dist.broadcast(t, src=src, group=group)
     return t
 
 
-def gather_errors(error: str | None) -> list[tuple[int, str]]:
-    """Every rank's error (or None), so all ranks can agree to stop before heavy work."""
+def gather_errors(error: str | None, group: dist.ProcessGroup | None = None) -> list[tuple[int, str]]:
+    """Every rank's error (or None), so all ranks can agree to stop before heavy work; (rank within
+    `group`, error) pairs."""
     if not is_distributed():
         return [(0, error)] if error else []
-    errors: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
+    errors: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, error, group=group)
     return [(rank, e) for rank, e in enumerate(errors) if e]
 
 
-def all_reduce_min(value: int) -> int:
-    """The minimum of an int over all ranks (e.g. KV blocks that fit on every GPU)."""
+def all_reduce_min(value: int, group: dist.ProcessGroup | None = None) -> int:
+    """The minimum of an int over the ranks of `group` (None: all; e.g. KV blocks that fit on every GPU)."""
     if not is_distributed():
         return value
     t = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)  # default group on CPU tensors -> gloo side
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)  # CPU tensors -> the gloo side
     return int(t.item())
+
+
+@dataclass(frozen=True)
+class Replica:
+    """This rank's model replica: `tp_size` consecutive global ranks from `first_rank`, one of `count`.
+
+    Why a handle: the plan, the sampled tokens and the tensor-parallel sums stay inside a replica
+    (its own group), while start-up agreement and the watchdog span every rank. group=None is the
+    default group (one replica over all ranks: the old layout, no extra groups made)."""
+
+    index: int
+    count: int
+    tp_rank: int
+    tp_size: int
+    group: dist.ProcessGroup | None = None
+
+    @property
+    def first_rank(self) -> int:
+        """The replica's leader (global rank): its scheduler, its sampler, the plans' source."""
+        return self.index * self.tp_size
+
+    @property
+    def is_leader(self) -> bool:
+        return self.tp_rank == 0
+
+    def broadcast_object(self, obj: object) -> object:
+        """`obj` from the leader to every rank of this replica (the step plan)."""
+        return broadcast_object(obj, self.first_rank, self.group) if self.tp_size > 1 else obj
+
+    def broadcast_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        return broadcast_tensor(t, self.first_rank, self.group) if self.tp_size > 1 else t
+
+
+def make_replica(rank: int, world_size: int, dp: int, tp: int, timeout_s: float | None = None) -> Replica:
+    """This rank's Replica of `dp` x `tp` = `world_size` ranks; collective: every rank makes every group
+    (torch's rule for new_group), so call it on all ranks in the same order."""
+    if dp * tp != world_size:
+        raise ValueError(f"{dp} replicas x {tp} ranks != {world_size} ranks")
+    index, tp_rank = divmod(rank, tp)
+    if dp == 1:
+        return Replica(0, 1, tp_rank, tp, None)
+    mine = None
+    for r in range(dp):
+        ranks = list(range(r * tp, (r + 1) * tp))
+        timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
+        group = dist.new_group(ranks, timeout=timeout) if tp > 1 else None  # one rank needs no group
+        if r == index:
+            mine = group
+    return Replica(index, dp, tp_rank, tp, mine)

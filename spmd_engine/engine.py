@@ -15,7 +15,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +29,7 @@ from spmd_engine.core.plan import COMMAND_STOP, PlanBuilder, StepPlan
 from spmd_engine.core.requests import PromptRequest, RequestOutput, validate_prompt
 from spmd_engine.core.scheduler import ScheduleOutput, Scheduler, SchedulerConfig
 from spmd_engine.core.sequence import SamplingParams, Sequence
-from spmd_engine.distributed import RankInfo, broadcast_object, gather_errors
+from spmd_engine.distributed import RankInfo, Replica, gather_errors, make_replica
 from spmd_engine.executor.kv_cache import CudaMemoryBudget, KVCacheSpec, KVCapacity, planned_num_blocks
 from spmd_engine.executor.logits_processors import apply_min_tokens, apply_penalties_and_min_p
 from spmd_engine.executor.logprobs import (PendingLogprobs, SampledLogprobRows, compute_logprobs, entry,
@@ -126,7 +126,7 @@ class Engine:
         # rank 0: the scheduler and its block manager live as long as the engine, so the prefix cache
         # still hits in the next generate call (the KV tensors it indexes live as long as the runner)
         self.scheduler: Scheduler | None = None
-        if ranks.is_first:
+        if self.replica.is_leader:
             self.scheduler = new_scheduler(cfg, self.max_model_len, self.runner.num_blocks, self.shape.eos_token_ids)
         # Everything built so far lives as long as the engine: keep it out of the cyclic garbage
         # collector's full passes, which otherwise walk every KV block's bookkeeping object (tens of
@@ -137,6 +137,9 @@ class Engine:
         """The start-up checks that need no weights, agreed across ranks; returns the attention backend."""
         cfg, ranks = self.cfg, self.ranks
         agreed(lambda: cfg.validate(ranks.world_size))
+        # replicas of tp consecutive ranks; each has its own group for the plans, tokens and TP sums
+        self.replica: Replica = make_replica(ranks.rank, ranks.world_size, *cfg.parallel_sizes(ranks.world_size),
+                                             max(cfg.dist_timeout_s, cfg.startup_timeout_s))
         self.device = agreed(lambda: resolve_device(cfg.device, ranks.local_rank))
         self.source: ModelSource = agreed(lambda: resolve_model_source(cfg.model))
         agreed(lambda: check_checkpoint_files(self.source.checkpoint_dir))  # weights missing on one node
@@ -156,8 +159,10 @@ class Engine:
         from spmd_engine.models.registry import build_model
 
         cfg, ranks = self.cfg, self.ranks
-        tp = (TensorParallel.from_default_group(torch.float32 if cfg.tp_reduce_dtype == "float32" else None)
-              if ranks.world_size > 1 else TensorParallel.single())
+        replica = self.replica
+        tp = (TensorParallel(replica.tp_rank, replica.tp_size, replica.group,
+                             torch.float32 if cfg.tp_reduce_dtype == "float32" else None)
+              if replica.tp_size > 1 else TensorParallel.single())
         started = time.perf_counter()
         previous_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
@@ -175,7 +180,7 @@ class Engine:
         set_small_batch_gemv(model, cfg.small_batch_gemv)
         log.info("model %s loaded (%s, %s, attention=%s, tp=%d) in %.1f s", cfg.model.name,
                  self.source.checkpoint_dir or "dummy weights", str(self.dtype).replace("torch.", ""),
-                 backend, ranks.world_size, time.perf_counter() - started)
+                 backend, replica.tp_size, time.perf_counter() - started)
         return model
 
     def _start_runner(self) -> ModelRunner:
@@ -184,7 +189,8 @@ class Engine:
         settings = RunnerSettings(cfg.block_size, self.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                   cfg.enforce_eager, cfg.gpu_memory_utilization, cfg.cpu_kv_cache_gib,
                                   cfg.num_kv_blocks, cfg.kv_cache_dtype)
-        runner = ModelRunner(self.model, self.shape, settings, self.device, self.dtype, self.ranks.world_size)
+        runner = ModelRunner(self.model, self.shape, settings, self.device, self.dtype, self.replica.tp_size,
+                             self.replica)
         self.kv_capacity = KVCapacity(runner.num_blocks, cfg.block_size, runner.spec.bytes_per_block)
         agreed(lambda: self._check_kv_capacity(self.kv_capacity.num_blocks, runner.memory_budget))
         self.faults = FaultInjector.from_config(cfg.fault, self.ranks.rank)
@@ -200,13 +206,13 @@ class Engine:
 
     def _checked_shape(self) -> ModelShape:
         shape = ModelShape.from_hf_config(self.source.hf_config)
-        shape.validate_tensor_parallel(self.ranks.world_size)
+        shape.validate_tensor_parallel(self.replica.tp_size)
         return shape
 
     def _check_planned_kv_capacity(self) -> None:
         """A fixed num_kv_blocks or a CPU GiB budget sizes the pool without the model; CUDA measures later."""
         cfg = self.cfg
-        spec = KVCacheSpec.for_model(self.shape, self.ranks.world_size, cfg.block_size, self.dtype,
+        spec = KVCacheSpec.for_model(self.shape, self.replica.tp_size, cfg.block_size, self.dtype,
                                      cfg.kv_cache_dtype)
         planned = planned_num_blocks(spec, cfg.num_kv_blocks, cfg.cpu_kv_cache_gib, self.device)
         if planned is not None:
@@ -223,20 +229,24 @@ class Engine:
                 + (f" ({budget.describe()})" if budget is not None else ""))
 
     # --- generation -----------------------------------------------------------------------
-    def generate(self, requests: list[PromptRequest], on_finish: Callable[[RequestOutput], None] | None = None,
+    def generate(self, requests: Iterable[PromptRequest], on_finish: Callable[[RequestOutput], None] | None = None,
                  decode: Callable[[list[int]], str] | None = None, progress: bool = False,
-                 token_text: Callable[[int], str] | None = None) -> list[RequestOutput]:
-        """Collective: rank 0 returns one RequestOutput per request (submission order); others [].
+                 token_text: Callable[[int], str] | None = None, keep_outputs: bool = True) -> list[RequestOutput]:
+        """Collective over the replica: its leader returns one RequestOutput per request (submission
+        order); the other ranks [].
 
+        `requests` is pulled lazily, as the batch has room (a generator may read and tokenize on demand,
+        or wait for work handed out to this replica). `keep_outputs=False` returns [] on the leader too:
+        the outputs go to `on_finish` only, so a job of any size holds only the requests in flight.
         `token_text(id)`: one token's text, for the alternatives of logprobs (None: decode([id]))."""
-        if not self.ranks.is_first:
+        if not self.replica.is_leader:
             self._follow_plans()
             return []
         if self.scheduler.has_unfinished() or self.scheduler.block_manager.num_used_blocks:
             # an earlier call ended half-way (an exception): start from a clean pool
             self.scheduler = new_scheduler(self.cfg, self.max_model_len, self.runner.num_blocks,
                                            self.shape.eos_token_ids)
-        generation = _Generation(self, requests, on_finish, decode, progress)
+        generation = _Generation(self, requests, on_finish, decode, progress, keep_outputs)
         generation.token_text = token_text or ((lambda t: decode([t])) if decode else None)
         try:
             outputs = generation.run()
@@ -250,7 +260,7 @@ class Engine:
         while True:
             self.step_progress.wait_plan(first)
             first = False
-            plan = broadcast_object(None)
+            plan = self.replica.broadcast_object(None)
             if plan.command == COMMAND_STOP:
                 self.runner.apply_stop(plan)
                 self.step_progress.idle()
@@ -274,7 +284,8 @@ def new_scheduler(cfg: EngineConfig, max_model_len: int, num_blocks: int, eos_to
 class _Generation:
     """Rank 0's state for one generate call: scheduler, plans, sampler and the outputs."""
 
-    def __init__(self, llm: Engine, requests: list[PromptRequest], on_finish, decode, progress: bool) -> None:
+    def __init__(self, llm: Engine, requests: Iterable[PromptRequest], on_finish, decode, progress: bool,
+                 keep_outputs: bool = True) -> None:
         cfg = llm.cfg
         self.llm = llm
         self.on_finish = on_finish or (lambda out: None)
@@ -295,12 +306,18 @@ class _Generation:
         self.defaults = cfg.sampling
         self.outputs: list[RequestOutput] = []
         self.live: dict[int, tuple[Sequence, RequestOutput]] = {}
-        self.requests = requests
+        self.keep_outputs = keep_outputs
+        self.total = len(requests) if hasattr(requests, "__len__") else None
+        self.requests = iter(requests)  # pulled by `_refill` as the batch has room
+        self.fed = 0  # requests pulled so far: the next one's seq_id
+        self.fed_all = False
+        self.cached_tokens = 0
 
     def _admit(self, seq_id: int, req: PromptRequest) -> None:
         out = RequestOutput(req.index, req.prompt, req.prompt_token_ids, None, [], "error", req.error,
                             custom_id=getattr(req, "custom_id", None))
-        self.outputs.append(out)
+        if self.keep_outputs:
+            self.outputs.append(out)
         if out.error is None:
             try:
                 params = SamplingParams.from_dict(req.overrides, self.defaults)
@@ -313,6 +330,7 @@ class _Generation:
         if out.error is not None:
             out.text = None
             self.on_finish(out)
+            self.bar.update(1)
             return
         seed = params.seed if params.seed is not None else request_seed(self.llm.cfg.seed, self.generation, req.index)
         seq = Sequence(seq_id, req.prompt_token_ids, params, sampling_seed=seed)
@@ -328,9 +346,7 @@ class _Generation:
 
     def run(self) -> list[RequestOutput]:
         self.start = time.perf_counter()
-        for seq_id, req in enumerate(self.requests):
-            self._admit(seq_id, req)
-        self.bar = _progress_bar(len(self.live), self.progress)
+        self.bar = _progress_bar(self.total, self.progress)
         loop = _InFlight(StepTimer(), GpuTimeline(self.llm.device.type == "cuda"))
         while self._step(loop):
             pass
@@ -349,6 +365,7 @@ class _Generation:
         if loop.sampled is not None:
             self._postprocess(loop.sampled, tokens)
             loop.sampled = None
+        self._refill()
         clock.lap("postprocess")
         if loop.launched is None and not self.scheduler.has_unfinished():
             return False
@@ -362,7 +379,7 @@ class _Generation:
             self._sample_in_flight(loop)
             return True
         clock.lap("schedule")
-        broadcast_object(plan)
+        self.llm.replica.broadcast_object(plan)
         clock.lap("broadcast")
         staged = self.llm.runner.stage(plan)
         clock.lap("inputs")
@@ -394,18 +411,30 @@ class _Generation:
         """Send every rank the stop plan, then summarise the call's steps into `summary`."""
         llm = self.llm
         stop = self.builder.stop_plan(self.step)
-        broadcast_object(stop)
+        llm.replica.broadcast_object(stop)
         llm.runner.apply_stop(stop)
         llm.step_progress.idle()
         self.bar.close()
         loop.timer.set_gpu_idle(loop.timeline.idle_ms())
-        cached = sum(o.num_cached_tokens for o in self.outputs)
+        cached = self.cached_tokens
         preemptions = self.scheduler.num_preemptions - self.preemptions_before
         self.summary = {"steps": loop.steps, "decode_steps": loop.decode_steps,
                         "async_scheduling": llm.cfg.async_scheduling, "preemptions": preemptions,
                         "cached_prompt_tokens": cached, "step_timing": loop.timer.summary()}
         log.info("generate: %d steps (%d decode), %d preemptions, %d prompt tokens from the prefix cache",
                  loop.steps, loop.decode_steps, preemptions, cached)
+
+    def _refill(self) -> None:
+        """Pull requests until the batch could be full (waiting + running reach max_num_seqs) or the
+        source ends: a lazy source is read, tokenized or handed out only as this replica has room."""
+        scheduler, room = self.scheduler, self.llm.cfg.max_num_seqs
+        while not self.fed_all and scheduler.num_waiting + scheduler.num_running < room:
+            request = next(self.requests, None)
+            if request is None:
+                self.fed_all = True
+                return
+            self._admit(self.fed, request)
+            self.fed += 1
 
     def _sample(self, launched: _Launched, timeline: GpuTimeline) -> _Sampled:
         """Queue sampling of a launched step's logits and the copy of its tokens to the host."""
@@ -501,6 +530,7 @@ class _Generation:
         out.logprobs = self.logprobs.pop(seq.seq_id, None)
         out.prompt_logprobs = self.prompt_logprobs.pop(seq.seq_id, None)
         out.num_cached_tokens = seq.num_cached_tokens
+        self.cached_tokens += seq.num_cached_tokens
         followed = self.texts.pop(seq.seq_id, None)
         if followed is not None and followed.match is not None:
             out.text = followed.match.text  # cut at the stop string (or just after it)
@@ -562,6 +592,7 @@ class _Sampled:
         return self.readback.numpy() if self.readback is not None else np.zeros(0, dtype=np.int64)
 
 
-def _progress_bar(total: int, enabled: bool):
+def _progress_bar(total: int | None, enabled: bool):
     from tqdm import tqdm
-    return tqdm(total=total, desc="requests", unit="req", disable=not enabled or total < 2, dynamic_ncols=True)
+    return tqdm(total=total, desc="requests", unit="req", disable=not enabled or (total or 0) < 2,
+                dynamic_ncols=True)

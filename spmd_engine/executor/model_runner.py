@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from spmd_engine.models.model_config import ModelShape
-from spmd_engine.distributed import all_reduce_min, broadcast_tensor, is_distributed
+from spmd_engine.distributed import Replica, all_reduce_min, broadcast_tensor, is_distributed
 from spmd_engine.executor.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from spmd_engine.executor.forward_batch import ForwardBatch, HostBatch, build_host_batch, to_device
 from spmd_engine.executor.input_buffers import InputBuffers
@@ -60,8 +60,9 @@ class StagedStep:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, shape: ModelShape, settings: RunnerSettings,
-                 device: torch.device, dtype: torch.dtype, tp_size: int) -> None:
+                 device: torch.device, dtype: torch.dtype, tp_size: int, replica: Replica | None = None) -> None:
         self.model = model
+        self.replica = replica  # the sampled tokens go to this replica's ranks (None: every rank)
         self.shape = shape
         self.settings = settings
         self.device = device
@@ -230,7 +231,7 @@ class ModelRunner:
     def _share_tokens(self, mine: torch.Tensor | None, count: int) -> torch.Tensor:
         """The previous step's sampled tokens on every rank: rank 0 broadcasts them as a device tensor
         (NCCL on GPU, queued like any kernel: the host never waits for them)."""
-        if not is_distributed():
+        if not is_distributed() or (self.replica is not None and self.replica.tp_size == 1):
             if mine is None:
                 raise RuntimeError("a single rank must pass its own sampled tokens")
             return mine
@@ -240,7 +241,10 @@ class ModelRunner:
         shared = self.token_buffer[:count]
         if mine is not None:
             shared.copy_(mine[:count])
-        broadcast_tensor(shared)
+        if self.replica is not None:
+            self.replica.broadcast_tensor(shared)
+        else:
+            broadcast_tensor(shared)
         return shared
 
     def apply_stop(self, plan: StepPlan) -> None:

@@ -42,7 +42,7 @@ def measure_device_rates(device: torch.device) -> dict:
 
 def bench_report(llm, outputs, wall_s: float) -> dict:
     """The floor of this run, its measured fraction, and the last generate call's step timing."""
-    shape, tp = llm.shape, llm.ranks.world_size
+    shape, tp = llm.shape, llm.replica.tp_size
     kv_bytes_per_token = llm.runner.spec.bytes_per_block // llm.cfg.block_size
     weights = _weight_bytes(llm.model)
     ok = [o for o in outputs if o.finish_reason != "error"]

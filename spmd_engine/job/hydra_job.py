@@ -10,7 +10,10 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +23,15 @@ from spmd_engine.config import ConfigError, EngineConfig, engine_config_from_dic
 from spmd_engine.distributed import RankInfo, all_reduce_min, init_process_group
 from spmd_engine.engine import Engine, agreed
 from spmd_engine.faults.error_line import error_line, report_error, write_error_file
-from spmd_engine.job.metrics import summarize, write_metrics
-from spmd_engine.job.outputs import OutputsWriter, RequestOutput, read_outputs, resume_mismatch
+from spmd_engine.job.dispatch import DISPATCH_POLL_S, ChunkBoard, ClaimedRequests, Dispatcher, RowPoster
+from spmd_engine.job.feed import RequestFeed, chunk_size, source_requests
+from spmd_engine.job.metrics import RunningStats, write_metrics
+from spmd_engine.job.outputs import OutputsWriter, RequestOutput, read_outputs
+from spmd_engine.job.prompts import load_tokenizer
 from spmd_engine.faults.preflight import check_prompts_file
 from spmd_engine.job.run_dir import RunDirLock, RunDirRefused, claim_run_dir
 from spmd_engine.faults.supervisor import Supervisor
-from spmd_engine.job.workloads import build_requests, run_bench_warmup
+from spmd_engine.job.workloads import run_bench_warmup
 
 log = logging.getLogger("spmd_engine")
 EXIT_USER_ERROR = 2
@@ -133,6 +139,34 @@ def _write(metrics: dict, raw_cfg: dict, ranks: RankInfo, output_dir: Path | Non
         write_metrics(output_dir / "metrics.json", metrics)
 
 
+PRINT_LIMIT = 64  # a chat job of at most this many requests prints its completions at the end
+
+
+@dataclass
+class _RowSink:
+    """Rank 0: every finished request of every replica lands here once: outputs.jsonl, the progress
+    bar (done of total, with an ETA) and, for a small chat job, the completions printed at the end."""
+
+    writer: OutputsWriter | None
+    bar: Any
+    shown: list[dict] | None
+    stats: RunningStats = field(default_factory=RunningStats)  # rank 0's own replica
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def output(self, out: RequestOutput) -> None:
+        """One of rank 0's own replica's requests finished."""
+        self.stats.add(out)
+        self.row(out.to_json())
+
+    def row(self, row: dict) -> None:
+        with self.lock:
+            if self.writer is not None:
+                self.writer.write_row(row)
+            if self.shown is not None:
+                self.shown.append(row)
+            self.bar.update(1)
+
+
 def _generate(llm: Engine, cfg: EngineConfig, ranks: RankInfo, output_dir: Path | None,
               supervisor: Supervisor, overrides: list[str] | None = None) -> dict:
     from spmd_engine.job.generation_defaults import apply_generation_config, explicit_sampling_keys
@@ -141,78 +175,184 @@ def _generate(llm: Engine, cfg: EngineConfig, ranks: RankInfo, output_dir: Path 
                                                           explicit_sampling_keys(overrides or [])))
     gate = supervisor.start_gate()
     llm.faults.before_requests()
+    board = _board(supervisor) if llm.replica.count > 1 else None
+    # every replica's leader decodes its outputs; loaded before the gate, so all start claiming together
+    tokenizer = (load_tokenizer(llm.source.tokenizer_dir)
+                 if llm.source.tokenizer_dir and llm.replica.is_leader else None)
     if not ranks.is_first:
-        refusal = gate.wait() if gate is not None else None  # rank 0 reads and tokenizes first
+        refusal = gate.wait() if gate is not None else None  # rank 0 prepares the requests first
         if refusal is not None:
             raise ConfigError(refusal)  # rank 0 refused the requests (a user error): leave with it
-        if cfg.workload.name == "bench" and cfg.workload.params.get("warmup", True):
+        _serve_replica(llm, cfg, board, tokenizer)
+        return {}
+    feed, writer = _open_requests(llm, cfg, tokenizer, output_dir, gate)
+    if gate is not None:
+        gate.open()  # everything slow on rank 0 alone is done: the plans follow
+    return _lead(llm, cfg, feed, writer, tokenizer, board, supervisor)
+
+
+def _board(supervisor: Supervisor) -> ChunkBoard:
+    """This job's dispatch keys in the rendezvous store (apart from other jobs of a multirun, and restarts)."""
+    return ChunkBoard(supervisor.board.store, f"spmd_engine/dp/{supervisor.ranks.restart_count}/{supervisor.jobs}")
+
+
+def _decoders(tokenizer) -> tuple[Any, Any]:
+    """(decode(ids), token_text(id)) of the tokenizer, or (None, None) without one."""
+    if tokenizer is None:
+        return None, None
+    return (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)), (lambda token: tokenizer.decode([token]))
+
+
+def _serve_replica(llm: Engine, cfg: EngineConfig, board: ChunkBoard | None, tokenizer) -> None:
+    """Every rank but 0: follow the replica's plans, or (a replica's leader) claim chunks, generate and
+    post the rows to rank 0; with replicas, stay until rank 0 has every row (leaving early would look
+    like a dead peer to the others' watchdogs)."""
+    bench_warmup = cfg.workload.name == "bench" and cfg.workload.params.get("warmup", True)
+    if not llm.replica.is_leader or board is None:
+        if bench_warmup:
             llm.generate([])
         llm.generate([])
-        return {}
-    from spmd_engine.job.prompts import load_tokenizer
-    tokenizer = load_tokenizer(llm.source.tokenizer_dir) if llm.source.tokenizer_dir else None
-    requests = build_requests(cfg, tokenizer, llm.shape.vocab_size)
-    sampling = {r.index: {**vars(cfg.sampling), **r.overrides} for r in requests}
+    else:
+        if bench_warmup:
+            run_bench_warmup(llm)
+        decode, token_text = _decoders(tokenizer)
+        claimed, poster = ClaimedRequests(board, llm.replica.count), RowPoster(board, llm.replica.index)
+        t0 = time.perf_counter()
+        llm.generate(claimed, on_finish=poster, decode=decode, token_text=token_text, keep_outputs=False)
+        busy = time.perf_counter() - t0 - claimed.waited_s
+        board.post_done(llm.replica.index, poster.posted, poster.stats, busy)
+    if board is not None:
+        _wait_for(board.is_finished, llm)
+
+
+def _wait_for(done: Callable[[], bool], llm: Engine, check: Callable[[], None] = lambda: None) -> None:
+    """Wait for the other replicas, watched like a plan wait: a dead or hung peer still ends the job."""
+    llm.step_progress.wait_plan(first=False)
+    while not done():
+        check()
+        time.sleep(DISPATCH_POLL_S)
+    llm.step_progress.idle()
+
+
+def _open_requests(llm: Engine, cfg: EngineConfig, tokenizer, output_dir: Path | None,
+                   gate) -> tuple[RequestFeed, OutputsWriter | None]:
+    """Rank 0: the lazy request feed (a resumed job's finished indices checked and skipped) and the writer."""
+    has_tokenizer, vocab = tokenizer is not None, llm.shape.vocab_size
+    requests, total = source_requests(cfg, has_tokenizer, vocab)
+    feed = RequestFeed(cfg, tokenizer, requests, total, chunk_size(total, llm.replica.count, cfg.max_num_seqs))
     done: list[dict] = []
     outputs_path = output_dir / "outputs.jsonl" if output_dir else None
     if cfg.resume and outputs_path is not None:
         done = read_outputs(outputs_path)
-        mismatch = resume_mismatch(done, requests, sampling.get)
+        mismatch = feed.resume_from(done, source_requests(cfg, has_tokenizer, vocab)[0])
         if mismatch is not None:
             error = RunDirRefused(f"resume=true: {mismatch}; the prompts or sampling changed since that run, so its "
-                                "rows can't stand in for this job's: use another hydra.run.dir")
+                                  "rows can't stand in for this job's: use another hydra.run.dir")
             if gate is not None:
                 gate.refuse(str(error))
             raise error
-        finished = {row["index"] for row in done}
-        requests = [r for r in requests if r.index not in finished]
-        log.info("resume: %d requests already in %s, %d to run", len(finished), outputs_path, len(requests))
+        log.info("resume: %d requests already in %s, %d to run", len(feed.finished), outputs_path, feed.remaining)
+    log.info("%d requests, read and tokenized %d at a time as %s", feed.remaining, feed.chunk_size,
+             "the batch has room" if llm.replica.count == 1 else f"{llm.replica.count} replicas ask for them")
     final_form = None
     if cfg.output_format == "openai":
         from spmd_engine.job.openai_batch import batch_output
-        kinds = {r.index: r.api for r in requests}
-        final_form = lambda row: batch_output(row, kinds.get(row["index"]), cfg.model.name)  # noqa: E731
-    writer = (OutputsWriter(outputs_path, keep=done, sampling_of=sampling.get, final_form=final_form)
+        final_form = lambda row: batch_output(row, feed.kinds.get(row["index"]), cfg.model.name)  # noqa: E731
+    writer = (OutputsWriter(outputs_path, keep=done, sampling_of=feed.sampling_of, final_form=final_form)
               if outputs_path else None)
-    if gate is not None:
-        gate.open()  # everything slow on rank 0 alone is done: the plans follow
+    return feed, writer
+
+
+def _lead(llm: Engine, cfg: EngineConfig, feed: RequestFeed, writer: OutputsWriter | None, tokenizer,
+          board: ChunkBoard | None, supervisor: Supervisor) -> dict:
+    """Rank 0: hand out the requests (to the other replicas too), run replica 0's share, write every row."""
     if cfg.workload.name == "bench" and cfg.workload.params.get("warmup", True):
         run_bench_warmup(llm)
-    decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer else None
-    token_text = (lambda token: tokenizer.decode([token])) if tokenizer else None  # logprobs' alternatives
+    sink = _RowSink(writer, _progress_bar(feed.remaining),
+                    [] if cfg.workload.name == "chat" and feed.remaining <= PRINT_LIMIT else None)
+    dispatcher = Dispatcher(board, feed.chunks(), llm.replica.count, sink.row) if board is not None else None
+    requests = ClaimedRequests(board, llm.replica.count, dispatcher.check) if dispatcher is not None else feed
+    decode, token_text = _decoders(tokenizer)
+    keep = cfg.workload.name == "bench"  # the bench report reads the outputs; a chat job keeps none
     t0 = time.perf_counter()
     try:
-        with supervisor.before_exit(writer.quiesce if writer else lambda: None):
-            outputs = llm.generate(requests, on_finish=writer.write if writer else None, decode=decode,
-                                   progress=len(requests) > 1, token_text=token_text)
+        with supervisor.before_exit(lambda: _quiesce(dispatcher, writer)):
+            if dispatcher is not None:
+                dispatcher.start()
+            outputs = llm.generate(requests, on_finish=sink.output, decode=decode, token_text=token_text,
+                                   keep_outputs=keep)
+            busy = time.perf_counter() - t0 - getattr(requests, "waited_s", 0.0)
+            if dispatcher is not None:
+                _wait_for(dispatcher.all_done, llm, dispatcher.check)
+                dispatcher.stop()
+                dispatcher.check()
     finally:
+        if dispatcher is not None:
+            dispatcher.stop()
+        sink.bar.close()
         if writer is not None:
             writer.close()
     wall = time.perf_counter() - t0
+    if board is not None:
+        board.finish()  # every row is appended to outputs.jsonl: the other ranks may leave (not watched after)
     if writer is not None:
         writer.finalize()
-    if cfg.workload.name == "chat":
-        _print_completions(outputs)
-    stats = summarize(outputs, wall)
+    if sink.shown is not None:
+        _print_completions(sorted(sink.shown, key=lambda row: row["index"]))
+    return _job_stats(llm, cfg, sink, dispatcher, busy, wall, outputs)
+
+
+def _quiesce(dispatcher: Dispatcher | None, writer: OutputsWriter | None) -> None:
+    """The process is being stopped: write the rows other replicas already posted, then hold the file."""
+    if dispatcher is not None:
+        dispatcher.drain()
+    if writer is not None:
+        writer.quiesce()
+
+
+def _job_stats(llm: Engine, cfg: EngineConfig, sink: _RowSink, dispatcher: Dispatcher | None, busy: float,
+               wall: float, outputs: list[RequestOutput]) -> dict:
+    """metrics.json's job part: totals over every replica, and each replica's share."""
+    total = RunningStats()
+    total.merge(vars(sink.stats))
+    replicas = [_replica_row(0, vars(sink.stats), busy)]
+    for replica, report in sorted((dispatcher.reports if dispatcher is not None else {}).items()):
+        total.merge(report["stats"])
+        replicas.append(_replica_row(replica, report["stats"], report["busy_s"]))
+    stats = total.summary(wall)
     log.info("%d requests, %d prompt + %d output tokens in %.2f s: %.1f output tok/s, TTFT p50 %.1f ms, "
              "ITL p50 %.2f ms", stats["num_requests"], stats["prompt_tokens"], stats["output_tokens"], wall,
              stats["output_tokens_per_s"], stats["ttft"].get("p50_ms", 0.0), stats["itl"].get("p50_ms", 0.0))
+    stats["data_parallel_size"], stats["tensor_parallel_size"] = llm.replica.count, llm.replica.tp_size
+    stats["replicas"] = replicas
     stats["kv_capacity"] = llm.kv_capacity.as_dict()
     stats["max_model_len"] = llm.max_model_len
-    stats["engine"] = llm.last_run  # steps, decode steps, preemptions, prefix-cache tokens, step timing
+    stats["engine"] = llm.last_run  # replica 0's steps, decode steps, preemptions, prefix-cache tokens, timing
     if cfg.workload.name == "bench":
         from spmd_engine.job.bench_report import bench_report
-        stats["bench"] = bench_report(llm, outputs, wall)
+        stats["bench"] = bench_report(llm, outputs, wall)  # replica 0's requests
     return stats
 
 
-def _print_completions(outputs: list[RequestOutput]) -> None:
-    for out in outputs:
-        shown = out.prompt if out.prompt is not None else f"<{len(out.prompt_token_ids or [])} prompt tokens>"
-        print(f"\n### prompt {out.index}: {shown}")
-        if out.error:
-            print(f"!!! error: {out.error}")
+def _replica_row(replica: int, stats: dict, busy_s: float) -> dict:
+    return {"replica": replica, "requests": stats["num_requests"], "errors": stats["num_errors"],
+            "prompt_tokens": stats["prompt_tokens"], "output_tokens": stats["output_tokens"], "busy_s": busy_s}
+
+
+def _progress_bar(total: int):
+    from tqdm import tqdm
+    return tqdm(total=total, desc="requests", unit="req", disable=total < 2, dynamic_ncols=True)
+
+
+def _print_completions(rows: list[dict]) -> None:
+    for row in rows:
+        ids = row.get("prompt_token_ids") or []
+        shown = row["prompt"] if row.get("prompt") is not None else f"<{row.get('prompt_num_tokens', len(ids))} " \
+                                                                    f"prompt tokens>"
+        print(f"\n### prompt {row['index']}: {shown}")
+        if row.get("error"):
+            print(f"!!! error: {row['error']}")
         else:
-            body = out.text if out.text is not None else str(out.token_ids)
-            print(f">>> {body}  [{out.finish_reason}, {len(out.token_ids)} tokens]")
+            body = row["text"] if row.get("text") is not None else str(row["token_ids"])
+            print(f">>> {body}  [{row['finish_reason']}, {len(row['token_ids'])} tokens]")
     sys.stdout.flush()

@@ -10,7 +10,7 @@ import json
 import os
 import threading
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from spmd_engine.core.requests import (  # noqa: F401
     ERROR_ECHO_CHARS,
@@ -54,9 +54,12 @@ class OutputsWriter:
         self._lock = threading.Lock()
 
     def write(self, out: RequestOutput) -> None:
-        row = out.to_json()
+        self.write_row(out.to_json())
+
+    def write_row(self, row: dict) -> None:
+        """Append one finished request's row (`RequestOutput.to_json`, e.g. one another replica sent)."""
         if self.sampling_of is not None:
-            row["sampling"] = self.sampling_of(out.index)
+            row["sampling"] = self.sampling_of(row["index"])
         line = _dumps(row)
         with self._lock:
             self._file.write(line)
@@ -68,20 +71,45 @@ class OutputsWriter:
         self._lock.acquire(timeout=timeout_s)
 
     def finalize(self) -> None:
-        """Rewrite the file in submission (index) order, one line per index (the first kept), atomically."""
+        """Rewrite the file in submission (index) order, one line per index (the first kept), atomically.
+
+        Holds (index, offset, length) per row, not the rows: a job of any size sorts in bounded memory."""
         self._file.close()
-        rows = {}
-        for row in read_outputs(self.path):
-            rows.setdefault(row["index"], row)
-        ordered = [rows[i] for i in sorted(rows)]
-        _rewrite(self.path, [self.final_form(r) for r in ordered] if self.final_form else ordered)
+        first: dict[int, tuple[int, int]] = {}
+        with open(self.path, "rb") as f:
+            offset = 0
+            for line in f:
+                row = _parse_row(line)
+                if row is not None and row["index"] not in first:
+                    first[row["index"]] = (offset, len(line))
+                offset += len(line)
+            _rewrite(self.path, (self._final(_parse_row(_read_at(f, *first[i]))) for i in sorted(first)))
+
+    def _final(self, row: dict) -> dict:
+        return self.final_form(row) if self.final_form else row
 
     def close(self) -> None:
         if not self._file.closed:
             self._file.close()
 
 
-def _rewrite(path: Path, rows: list[dict]) -> None:
+def _read_at(f, offset: int, length: int) -> bytes:
+    f.seek(offset)
+    return f.read(length)
+
+
+def _parse_row(line: bytes) -> dict | None:
+    """A complete outputs.jsonl row, or None (a torn line from a crash, a line that is not a row)."""
+    try:
+        row = json.loads(line.decode("utf-8", errors="replace"))  # a torn multi-byte character is no error
+    except json.JSONDecodeError:
+        return None
+    if isinstance(row, dict) and isinstance(row.get("index"), int) and not isinstance(row["index"], bool):
+        return row
+    return None
+
+
+def _rewrite(path: Path, rows: Iterable[dict]) -> None:
     tmp = path.with_suffix(".jsonl.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         for r in rows:
@@ -93,18 +121,10 @@ def _rewrite(path: Path, rows: list[dict]) -> None:
 
 def read_outputs(path: Path) -> list[dict]:
     """Complete lines of an outputs.jsonl (a torn last line from a crash is ignored)."""
-    rows = []
     if not Path(path).exists():
-        return rows
-    with open(path, encoding="utf-8", errors="replace") as f:  # a torn multi-byte character is no error
-        for line in f:
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(row, dict) and isinstance(row.get("index"), int) and not isinstance(row["index"], bool):
-                rows.append(row)
-    return rows
+        return []
+    with open(path, "rb") as f:
+        return [row for row in map(_parse_row, f) if row is not None]
 
 
 def _same_echo(kept: Any, full_len: Any, now: Any) -> bool:
@@ -144,25 +164,33 @@ def _row_differs(row: dict, prompt: str | None, prompt_token_ids: list[int] | No
     return None
 
 
-def resume_mismatch(rows: list[dict], requests: list, sampling_of: Callable[[int], dict | None]) -> str | None:
+def resume_mismatch(rows: list[dict], requests: Iterable, sampling_of: Callable[[int], dict | None],
+                    total: int | None = None) -> str | None:
     """Why the kept `rows` are not outputs of this job's `requests` (one line naming the first row that
     differs in prompt, token ids or sampling), or None when every kept row matches its request.
 
+    `requests` come in index order and may be an iterator (only those with a kept row are needed);
+    `total`: the job's request count, for the message (default: how many `requests` gave).
     Why: a resumed job skips the indices it finds; rows of another prompts file or other sampling
     would silently stand in for requests that never ran.
     """
-    by_index = {r.index: r for r in requests}
     first_rows: dict[int, dict] = {}
     for row in rows:
         first_rows.setdefault(row["index"], row)  # finalize keeps the first line of an index
-    for index in sorted(first_rows):
-        request = by_index.get(index)
-        if request is None:
-            return f"outputs.jsonl row {index} has no request in this job ({len(requests)} requests)"
+    seen = 0
+    for request in requests:
+        seen += 1
+        row = first_rows.pop(request.index, None)
+        if row is None:
+            continue
+        index = request.index
         try:
-            why = _row_differs(first_rows[index], request.prompt, request.prompt_token_ids, sampling_of(index))
+            why = _row_differs(row, request.prompt, request.prompt_token_ids, sampling_of(index))
         except (TypeError, ValueError):  # a row edited by hand: fields of other types
             why = "its prompt fields are not ones this engine writes"
         if why:
             return f"outputs.jsonl row {index} is not this job's request {index}: {why}"
+    if first_rows:
+        return (f"outputs.jsonl row {min(first_rows)} has no request in this job "
+                f"({seen if total is None else total} requests)")
     return None

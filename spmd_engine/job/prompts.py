@@ -8,7 +8,7 @@ from __future__ import annotations
 import codecs
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -157,28 +157,96 @@ def _parse_line(text: str, index: int, where: str) -> PromptRequest:
     return PromptRequest(index, None, None, {}, f"{where}: {problem}")
 
 
-def _read_jsonl(path: Path) -> list[PromptRequest]:
-    """One request per non-blank line, each line decoded and parsed on its own: no line can fail another.
+READ_BLOCK_BYTES = 1 << 20  # a prompts file is read this much at a time: memory does not grow with its size
+_LINE_ENDS = (b"\r\n", b"\r", b"\n")
+
+
+def _strip_end(piece: bytes) -> bytes:
+    for end in _LINE_ENDS:
+        if piece.endswith(end):
+            return piece[:-len(end)]
+    return piece
+
+
+def _raw_lines(path: Path) -> Iterator[bytes]:
+    """Every line of `path` without its ending, read a block at a time (what `read_bytes().splitlines()`
+    gives, without holding the file): lines end at LF, CRLF or CR, never inside a CRLF that a block
+    boundary cuts; a UTF-8 byte order mark at the start is skipped."""
+    with open(path, "rb") as f:
+        carry = b""
+        first = True
+        while True:
+            block = f.read(READ_BLOCK_BYTES)
+            data = carry + block
+            if first and len(data) >= len(codecs.BOM_UTF8) or not block:
+                if first and data.startswith(codecs.BOM_UTF8):
+                    data = data[len(codecs.BOM_UTF8):]
+                first = False
+            if not block:
+                if data:
+                    yield _strip_end(data)
+                return
+            pieces = data.splitlines(keepends=True)
+            # the last piece may go on in the next block (no ending yet, or a CR whose LF comes next)
+            carry = pieces.pop() if pieces and not pieces[-1].endswith(b"\n") else b""
+            for piece in pieces:
+                yield _strip_end(piece)
+
+
+def iter_jsonl(path: Path) -> Iterator[PromptRequest]:
+    """One request per non-blank line, each line decoded and parsed on its own as it is reached: no line
+    can fail another, and a file of any size is read in bounded memory.
 
     Lines end at LF, CRLF or CR (never at U+2028 or U+0085, which JSON strings may hold); a UTF-8
     byte order mark at the start of the file is skipped; blank lines are skipped (not requests).
     """
-    data = path.read_bytes()
-    if data.startswith(codecs.BOM_UTF8):
-        data = data[len(codecs.BOM_UTF8):]
-    requests: list[PromptRequest] = []
-    for line_no, raw in enumerate(data.splitlines(), start=1):
+    index = 0
+    for line_no, raw in enumerate(_raw_lines(path), start=1):
         where = f"prompts_file line {line_no}"
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            requests.append(PromptRequest(len(requests), None, None, {},
-                                          f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1}); "
-                                          "save the file as UTF-8"))
+            yield PromptRequest(index, None, None, {}, f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} at byte "
+                                                       f"{e.start + 1}); save the file as UTF-8")
+            index += 1
             continue
         if text.strip():
-            requests.append(_parse_line(text, len(requests), where))
-    return requests
+            yield _parse_line(text, index, where)
+            index += 1
+
+
+def _is_blank(raw: bytes) -> bool:
+    """Whether iter_jsonl skips the line, without decoding long lines (a request is never only blanks
+    after its first bytes; short lines may be Unicode blanks such as U+00A0)."""
+    stripped = raw.strip()
+    if not stripped:
+        return True
+    return len(stripped) <= 16 and not raw.decode("utf-8", errors="replace").strip()
+
+
+def count_jsonl_requests(path: Path) -> int:
+    """How many requests iter_jsonl(path) yields, by a scan of the bytes (no JSON parsing): the progress
+    bar's total, known before the first request runs."""
+    return sum(1 for raw in _raw_lines(path) if not _is_blank(raw))
+
+
+def _read_jsonl(path: Path) -> list[PromptRequest]:
+    return list(iter_jsonl(path))
+
+
+def iter_prompts(prompts: Sequence[Any] | str | None, prompts_file: str | None) -> tuple[Iterator[PromptRequest], int]:
+    """`read_prompts`, lazily: (the requests as an iterator, how many there are). A prompts_file is read
+    and parsed as the iterator is pulled; its count comes from a byte scan up front.
+
+    Raises ValueError only for job-level mistakes (both given, empty list, missing file).
+    """
+    if prompts_file is not None and prompts is None:
+        path = Path(prompts_file).expanduser()
+        if not path.is_file():
+            raise ValueError(f"prompts_file={prompts_file!r}: no such file")
+        return iter_jsonl(path), count_jsonl_requests(path)
+    requests = read_prompts(prompts, prompts_file)
+    return iter(requests), len(requests)
 
 
 def read_prompts(prompts: Sequence[Any] | str | None, prompts_file: str | None) -> list[PromptRequest]:

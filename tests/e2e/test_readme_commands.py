@@ -86,6 +86,12 @@ def token_prompts_on_two_ranks(run: EngineRun, cwd: Path) -> None:
     assert read_metrics(only_job_dir(cwd))["world_size"] == 2
 
 
+def two_replicas(run: EngineRun, cwd: Path) -> None:
+    completed(4, text=False)(run, cwd)
+    metrics = read_metrics(only_job_dir(cwd))
+    assert metrics["data_parallel_size"] == 2 and [r["replica"] for r in metrics["replicas"]] == [0, 1]
+
+
 def bench_ran(run: EngineRun, cwd: Path) -> None:
     completed(3, text=False)(run, cwd)
     assert "bench" in read_metrics(only_job_dir(cwd)), run.describe()
@@ -115,6 +121,8 @@ COMMANDS: dict[str, Run | Skip | Report] = {
     "python run.py model=qwen3 model.load_format=dummy workload=bench": Run(bench_ran, [*TINY_QWEN3, *TINY_BENCH]),
     "torchrun --nproc_per_node=2 run.py model=qwen3 model.load_format=dummy":
         Run(token_prompts_on_two_ranks, [*TINY_QWEN3, *FEW_TOKENS]),
+    "torchrun --nproc_per_node=2 run.py model=qwen3 model.load_format=dummy data_parallel_size=2":
+        Run(two_replicas, [*TINY_QWEN3, *FEW_TOKENS]),
     "python run.py --cfg job": Run(printed_config),
     "python run.py -m block_size=16,32": Run(one_job_per_value, FEW_TOKENS),
     "python launch/sweep_report.py multirun/DATE/TIME": Report(["-m", "block_size=16,32", *FEW_TOKENS]),

@@ -38,6 +38,10 @@ def test_config_errors_are_agreed_by_every_rank(fault_ckpt: Path, tmp_path: Path
                                     ["KV pool holds 2 blocks", "max_model_len=64"]),
         "prompts-file-missing": ([f"model.path={fault_ckpt}", f"prompts_file={tmp_path / 'nope.jsonl'}"], None,
                                  ["prompts_file=", "nope.jsonl", "no such file"]),
+        "dp-times-tp-not-the-ranks": ([f"model.path={fault_ckpt}", "data_parallel_size=2", "tensor_parallel_size=2"],
+                                      None, ["data_parallel_size=2 x tensor_parallel_size=2 = 4", "ranks (2)"]),
+        "replica-tp-vs-heads": ([f"model.path={three_heads}", "data_parallel_size=1"], None,
+                                ["tensor_parallel_size=2", "num_attention_heads=3"]),
     }
     launches = {}
     for name, (overrides, env, _) in cases.items():

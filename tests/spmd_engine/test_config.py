@@ -18,7 +18,9 @@ def base(**over):
     ("device", "tpu", "device must be one of"),
     ("attention_backend", "xformers", "attention_backend must be one of"),
     ("attention_backend", "flash_attn", "attention_backend must be one of auto|triton|torch, got 'flash_attn'"),
-    ("tensor_parallel_size", 4, "tensor_parallel_size=4 must equal the number of ranks (1)"),
+    ("tensor_parallel_size", 4, "tensor_parallel_size=4 must divide the number of ranks (1)"),
+    ("data_parallel_size", 2, "data_parallel_size=2 must divide the number of ranks (1)"),
+    ("data_parallel_size", 0, "data_parallel_size must be >= 1 or null, got 0"),
     ("tp_reduce_dtype", "bfloat16", "tp_reduce_dtype must be one of float32|model, got 'bfloat16'"),
 ])
 def test_bad_engine_keys_name_the_key_and_limit(key, value, needle):
@@ -26,6 +28,24 @@ def test_bad_engine_keys_name_the_key_and_limit(key, value, needle):
     with pytest.raises(ConfigError) as err:
         cfg.validate(world_size=1)
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("dp,tp,world,sizes", [
+    (None, None, 4, (1, 4)), (2, None, 4, (2, 2)), (None, 2, 4, (2, 2)), (4, 1, 4, (4, 1)), (None, None, 1, (1, 1)),
+    (3, None, 3, (3, 1)), (2, 2, 4, (2, 2)),
+])
+def test_replicas_and_tensor_parallel_size_are_derived_from_the_world_size(dp, tp, world, sizes):
+    cfg = engine_config_from_dict(base(data_parallel_size=dp, tensor_parallel_size=tp))
+    cfg.validate(world_size=world)
+    assert cfg.parallel_sizes(world) == sizes
+
+
+def test_a_product_that_is_not_the_world_size_names_both_keys():
+    cfg = engine_config_from_dict(base(data_parallel_size=2, tensor_parallel_size=2))
+    with pytest.raises(ConfigError) as err:
+        cfg.validate(world_size=2)
+    assert str(err.value) == ("data_parallel_size=2 x tensor_parallel_size=2 = 4 must equal the number of ranks (2); "
+                              "launch 4 ranks")
 
 
 @pytest.mark.parametrize("over,line", [

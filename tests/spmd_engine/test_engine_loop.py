@@ -82,7 +82,8 @@ class FakeRunner:
 
 def run_loop(prompts: list[list[int]], max_tokens: list[int], *, block_size: int, num_blocks: int,
              max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int, prefix_caching: bool,
-             async_scheduling: bool, seed: int = 0, ignore_eos: bool = False) -> tuple[FakeRunner, _Generation]:
+             async_scheduling: bool, seed: int = 0, ignore_eos: bool = False,
+             feed=lambda requests: requests, on_finish=None) -> tuple[FakeRunner, _Generation]:
     cfg = EngineConfig(model=ModelConfig("fake", None, "dummy", {}), workload=WorkloadConfig("chat"),
                        sampling=SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=ignore_eos),
                        block_size=block_size, num_kv_blocks=num_blocks, max_num_seqs=max_num_seqs,
@@ -94,7 +95,7 @@ def run_loop(prompts: list[list[int]], max_tokens: list[int], *, block_size: int
                           shape=SimpleNamespace(eos_token_ids=[EOS], vocab_size=VOCAB), device=torch.device("cpu"),
                           step=0, step_progress=StepProgress(), faults=SimpleNamespace(before_step=lambda step: None))
     requests = [PromptRequest(i, None, p, {"max_tokens": m}) for i, (p, m) in enumerate(zip(prompts, max_tokens))]
-    gen = _Generation(llm, requests, None, None, False)
+    gen = _Generation(llm, feed(requests), on_finish, None, False)
     runner.scheduler = gen.scheduler
     schedule = gen.scheduler.schedule
 
@@ -111,9 +112,8 @@ def run_loop(prompts: list[list[int]], max_tokens: list[int], *, block_size: int
             stops.append(plan)
         return runner.broadcast(plan)
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(engine_module, "broadcast_object", broadcast)
-        outs = gen.run()
+    llm.replica = SimpleNamespace(broadcast_object=broadcast)  # the replica's plan channel
+    outs = gen.run()
     assert [o.error for o in outs] == [None] * len(prompts)
     for out, limit in zip(outs, max_tokens):
         assert 1 <= len(out.token_ids) <= limit and out.finish_reason in ("stop", "length")
@@ -170,3 +170,24 @@ def workloads(draw):
 @given(workloads())
 def test_every_mirror_equals_the_scheduler_tables_at_every_step(workload):
     run_loop(**workload)
+
+
+def test_requests_are_pulled_only_as_the_batch_has_room():
+    """A lazy source (a prompts file read a chunk at a time, or chunks handed to a replica) is asked for
+    a request only when waiting + running is below max_num_seqs; every request still runs, in order."""
+    pulled: list[int] = []
+    pulled_at_finish: list[int] = []
+
+    def feed(requests):
+        for request in requests:
+            pulled.append(request.index)
+            yield request
+
+    rng = random.Random(5)
+    prompts = [[rng.randrange(2, VOCAB) for _ in range(rng.randint(1, 8))] for _ in range(30)]
+    _, gen = run_loop(prompts, [rng.randint(1, 6) for _ in prompts], block_size=4, num_blocks=64, max_model_len=32,
+                      max_num_batched_tokens=64, max_num_seqs=4, prefix_caching=True, async_scheduling=True,
+                      ignore_eos=True, feed=feed, on_finish=lambda out: pulled_at_finish.append(len(pulled)))
+    assert pulled == list(range(30)) and len(pulled_at_finish) == 30
+    assert pulled_at_finish[0] <= 4, pulled_at_finish  # the old loop took all 30 before the first step
+    assert all(n <= i + 4 for i, n in enumerate(pulled_at_finish)), pulled_at_finish  # never more than 4 ahead

@@ -97,3 +97,37 @@ def test_resume_mismatch_names_the_first_row_that_is_not_its_request():
         "outputs.jsonl row 0 is not this job's request 0: sampling.temperature differs: kept 0.0, now 0.7")
     assert resume_mismatch(rows, requests[:2], same.get) == (
         "outputs.jsonl row 2 has no request in this job (2 requests)")
+
+
+def test_replicas_stats_merge_into_the_one_jobs_summary():
+    """Each replica gathers its RunningStats one output at a time; rank 0 merges them: the totals and
+    the latency samples equal one summary over all the outputs."""
+    from spmd_engine.job.metrics import RunningStats, _sample_into
+
+    outs = [out(0, 4), out(1, 2), RequestOutput(2, "x", None, None, [], "error", "bad"), out(3, 5)]
+    parts = [RunningStats(), RunningStats()]
+    for i, o in enumerate(outs):
+        parts[i % 2].add(o)
+    merged = RunningStats()
+    for part in parts:
+        merged.merge(vars(part))
+    whole, summed = summarize(outs, 2.0), merged.summary(2.0)
+    assert {k: v for k, v in summed.items() if k not in ("ttft", "itl")} == \
+        {k: v for k, v in whole.items() if k not in ("ttft", "itl")}
+    assert summed["itl"]["count"] == whole["itl"]["count"] == 8 and summed["ttft"] == whole["ttft"]
+    # past the cap a uniform sample is kept, and the count of values seen stays exact
+    kept: list[float] = []
+    assert _sample_into(kept, 0, [float(v) for v in range(1000)], cap=100) == 1000 and len(kept) == 100
+    assert 300 < sum(kept) / len(kept) < 700  # drawn from the whole range, not its start
+
+
+def test_finalize_sorts_a_file_with_duplicates_and_a_torn_line_row_by_row(tmp_path):
+    path = tmp_path / "outputs.jsonl"
+    writer = OutputsWriter(path)
+    for i in (5, 3, 4, 3, 0):
+        writer.write(out(i, n=i + 1))
+    writer._file.write('{"index": 9, "tok')  # a torn line, as a crash leaves it
+    writer._file.flush()
+    writer.finalize()
+    rows = read_outputs(path)
+    assert [r["index"] for r in rows] == [0, 3, 4, 5] and [len(r["token_ids"]) for r in rows] == [1, 4, 5, 6]

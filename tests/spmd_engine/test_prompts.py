@@ -179,3 +179,26 @@ def test_a_tokenizer_failure_fails_that_request_only():
     # a lone surrogate never reaches the tokenizer (the fast tokenizers raise TypeError on one)
     [cli] = read_prompts(["a \ud800"], None)
     assert cli.error == "prompts[0]: 'prompt' is not valid Unicode: lone surrogate U+D800 at character 2"
+
+
+@pytest.mark.parametrize("block", [1, 2, 3, 7, 64])
+def test_the_file_read_in_blocks_splits_lines_as_the_whole_file_does(tmp_path, monkeypatch, block):
+    """Lines cut by a block boundary (inside a CRLF, a multi-byte character, the byte order mark) are
+    read as if the file were read at once; the byte-scan count equals the requests read."""
+    import codecs
+    import random
+
+    from spmd_engine.job import prompts as prompts_module
+
+    rng = random.Random(block)
+    pieces = [b'{"prompt": "a\xc3\xa9"}', b"", b"  ", b"\xc2\xa0", b"\xff", b'{"prompt_token_ids": [1, 2]}', b"{bad"]
+    ends = [b"\n", b"\r\n", b"\r"]
+    data = codecs.BOM_UTF8 + b"".join(rng.choice(pieces) + rng.choice(ends) for _ in range(200)) + b'{"prompt": "z"}'
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(data)
+    monkeypatch.setattr(prompts_module, "READ_BLOCK_BYTES", block)
+    assert list(prompts_module._raw_lines(path)) == data[len(codecs.BOM_UTF8):].splitlines()
+    requests = list(prompts_module.iter_jsonl(path))
+    monkeypatch.setattr(prompts_module, "READ_BLOCK_BYTES", 1 << 20)
+    assert requests == read_prompts(None, str(path))
+    assert prompts_module.count_jsonl_requests(path) == len(requests)

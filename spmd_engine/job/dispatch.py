@@ -1,0 +1,216 @@
+"""Data-parallel replicas share one job through the rendezvous store: global rank 0 hands out chunks of
+requests as replicas ask, and gathers every replica's finished rows into the one outputs.jsonl.
+
+Why dynamic: a split up front leaves the replicas that drew short requests idle while one works
+through long ones; a replica claims the next chunk only when its batch has room, so fast replicas
+take more. Store keys (under one job's prefix):
+  chunk/<k>     rank 0's k-th chunk (a pickled list of PromptRequest), deleted by its claimer
+  chunks        the number of chunks, once the requests are exhausted
+  ready         replica leaders at their first claim (`store.add`): claims start when all are there
+  next_chunk    the claim counter (`store.add`): a replica leader's claim is the value it got, minus one
+  out/<r>/<n>   replica r's n-th finished row (pickled `RequestOutput.to_json`), deleted once written
+  done/<r>      replica r's end: its rows count and its RunningStats
+  finished      rank 0 has every row: every rank may leave
+The store is the job's (trusted network, as the plans' pickles; docs/RELIABILITY.md).
+"""
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from spmd_engine.core.requests import PromptRequest, RequestOutput
+from spmd_engine.job.metrics import RunningStats
+
+POLL_S = 0.005  # a replica's wait for a chunk that is not there yet
+DISPATCH_POLL_S = 0.01  # rank 0's dispatcher thread between rounds
+LOOKAHEAD_PER_REPLICA = 2  # chunks published ahead of the claims, per replica
+
+
+@dataclass
+class ChunkBoard:
+    """One job's keys in the store (see the module docstring)."""
+
+    store: object  # a torch.distributed Store
+    prefix: str
+
+    def _key(self, name: str) -> str:
+        return f"{self.prefix}/{name}"
+
+    def publish(self, k: int, chunk: list[PromptRequest]) -> None:
+        self.store.set(self._key(f"chunk/{k}"), pickle.dumps(chunk))
+
+    def close(self, num_chunks: int) -> None:
+        self.store.set(self._key("chunks"), str(num_chunks))
+
+    def arrive_and_wait(self, replicas: int, alive: Callable[[], None] = lambda: None) -> None:
+        """Wait for every replica's leader to reach its first claim: one that started early (rank 0
+        opens the start gate, the others see it a poll later) would otherwise claim the first batch
+        of every replica."""
+        key = self._key("ready")
+        self.store.add(key, 1)
+        while self.store.add(key, 0) < replicas:
+            alive()
+            time.sleep(POLL_S)
+
+    def claimed(self) -> int:
+        return self.store.add(self._key("next_chunk"), 0)
+
+    def claim(self, alive: Callable[[], None] = lambda: None) -> list[PromptRequest] | None:
+        """The next chunk (waiting for rank 0 to publish it), or None once every chunk is handed out.
+        `alive()` runs while waiting and may raise (rank 0's dispatcher failed)."""
+        k = self.store.add(self._key("next_chunk"), 1) - 1
+        key, end = self._key(f"chunk/{k}"), self._key("chunks")
+        while True:
+            if self.store.check([key]):
+                chunk = pickle.loads(self.store.get(key))
+                self.store.delete_key(key)
+                return chunk
+            if self.store.check([end]) and k >= int(self.store.get(end)):
+                return None
+            alive()
+            time.sleep(POLL_S)
+
+    def post_row(self, replica: int, n: int, row: dict) -> None:
+        self.store.set(self._key(f"out/{replica}/{n}"), pickle.dumps(row))
+
+    def take_row(self, replica: int, n: int) -> dict | None:
+        key = self._key(f"out/{replica}/{n}")
+        if not self.store.check([key]):
+            return None
+        row = pickle.loads(self.store.get(key))
+        self.store.delete_key(key)
+        return row
+
+    def post_done(self, replica: int, rows: int, stats: RunningStats, busy_s: float) -> None:
+        self.store.set(self._key(f"done/{replica}"), pickle.dumps({"rows": rows, "stats": vars(stats),
+                                                                  "busy_s": busy_s}))
+
+    def done(self, replica: int) -> dict | None:
+        key = self._key(f"done/{replica}")
+        return pickle.loads(self.store.get(key)) if self.store.check([key]) else None
+
+    def finish(self) -> None:
+        self.store.set(self._key("finished"), "1")
+
+    def is_finished(self) -> bool:
+        return self.store.check([self._key("finished")])
+
+
+@dataclass
+class ClaimedRequests:
+    """A replica leader's requests: chunks claimed from the board as the engine pulls (`Engine.generate`
+    pulls only when its batch has room); the time spent waiting for a chunk is not busy time."""
+
+    board: ChunkBoard
+    replicas: int
+    alive: Callable[[], None] = lambda: None
+    waited_s: float = 0.0
+    claimed: int = 0  # requests this replica took
+
+    def __iter__(self) -> Iterator[PromptRequest]:
+        t0 = time.perf_counter()
+        self.board.arrive_and_wait(self.replicas, self.alive)
+        self.waited_s += time.perf_counter() - t0
+        while True:
+            t0 = time.perf_counter()
+            chunk = self.board.claim(self.alive)
+            self.waited_s += time.perf_counter() - t0
+            if chunk is None:
+                return
+            self.claimed += len(chunk)
+            yield from chunk
+
+
+@dataclass
+class RowPoster:
+    """A replica leader other than rank 0: each finished request's row goes to rank 0 through the board."""
+
+    board: ChunkBoard
+    replica: int
+    stats: RunningStats = field(default_factory=RunningStats)
+    posted: int = 0
+
+    def __call__(self, out: RequestOutput) -> None:
+        self.stats.add(out)
+        self.board.post_row(self.replica, self.posted, out.to_json())
+        self.posted += 1
+
+
+class Dispatcher(threading.Thread):
+    """Rank 0's thread: keeps chunks published a few ahead of the claims and writes the rows the other
+    replicas post (`write_row`), until `stop`. An exception is kept in `error` for the main thread."""
+
+    def __init__(self, board: ChunkBoard, chunks: Iterator[list[PromptRequest]], num_replicas: int,
+                 write_row: Callable[[dict], None]) -> None:
+        super().__init__(name="dp-dispatcher", daemon=True)
+        self.board, self.chunks, self.num_replicas, self.write_row = board, chunks, num_replicas, write_row
+        self.published = 0
+        self.exhausted = False
+        self.taken = [0] * num_replicas  # rows written per replica
+        self.reports: dict[int, dict] = {}  # replica -> its done/<r> record
+        self.error: BaseException | None = None
+        self._halt = threading.Event()
+        self._lock = threading.Lock()  # one round at a time (the thread's, or `drain`'s)
+
+    def run(self) -> None:
+        try:
+            while not self._halt.is_set():
+                if not self.round():
+                    time.sleep(DISPATCH_POLL_S)  # nothing to publish or write: poll again soon
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread (`check`)
+            self.error = exc
+
+    def round(self) -> bool:
+        """Publish up to the lookahead, write the posted rows; whether there was anything to do."""
+        with self._lock:
+            ahead = LOOKAHEAD_PER_REPLICA * self.num_replicas
+            worked = False
+            while not self.exhausted and self.published < self.board.claimed() + ahead:
+                worked = True
+                chunk = next(self.chunks, None)
+                if chunk is None:
+                    self.board.close(self.published)
+                    self.exhausted = True
+                else:
+                    self.board.publish(self.published, chunk)
+                    self.published += 1
+            return self._collect() or worked
+
+    def _collect(self) -> bool:
+        written = sum(self.taken)
+        for replica in range(1, self.num_replicas):
+            if replica not in self.reports:
+                report = self.board.done(replica)  # read before the rows: every row it counts is posted
+                if report is not None:
+                    self.reports[replica] = report
+            while (row := self.board.take_row(replica, self.taken[replica])) is not None:
+                self.write_row(row)
+                self.taken[replica] += 1
+        return sum(self.taken) > written
+
+    def check(self) -> None:
+        """Raise the thread's failure in the caller (a replica waiting for chunks, or the final wait)."""
+        if self.error is not None:
+            raise RuntimeError(f"the request dispatcher failed: {self.error!r}") from self.error
+
+    def all_done(self) -> bool:
+        """Every other replica reported its end and every row it posted is written."""
+        return all(r in self.reports and self.taken[r] >= self.reports[r]["rows"] for r in range(1, self.num_replicas))
+
+    def drain(self) -> None:
+        """Write the rows already posted (the process is being stopped: finished rows are never lost)."""
+        if self._lock.acquire(timeout=2.0):
+            try:
+                self._collect()
+            except Exception:  # noqa: BLE001 - the store may be gone with the job; what was written stays
+                pass
+            finally:
+                self._lock.release()
+
+    def stop(self) -> None:
+        self._halt.set()
+        if self.is_alive():
+            self.join(timeout=5.0)
