@@ -443,9 +443,20 @@ def nucleus_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ps: tor
     to 32 scans), reached with probability <= (1 - top_p) ** rounds (1.6e-8 at 0.95 and 6 rounds).
     Each round rejects with probability <= 1 - top_p (the allowed set always holds the nucleus).
     Whatever one row needs, the others neither wait for the host nor see it."""
+    _check_nucleus_args(logits, temperatures, top_ps, seeds, counters, rounds, chunked_rounds)
+    rows, vocab = logits.shape
+    out = torch.empty(rows, device=logits.device, dtype=torch.int64)
+    if rows and vocab:
+        _launch_nucleus(logits, temperatures.float().contiguous(), top_ps.float().contiguous(),
+                        seeds.long().contiguous(), counters.long().contiguous(), out, rounds,
+                        min(chunked_rounds, rounds))
+    return out
+
+
+def _check_nucleus_args(logits, temperatures, top_ps, seeds, counters, rounds: int, chunked_rounds: int) -> None:
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"nucleus_sample: logits must be [N, V] with a contiguous last dim, got {tuple(logits.shape)}")
-    rows, vocab = logits.shape
+    rows = logits.shape[0]
     for name, t in (("temperatures", temperatures), ("top_ps", top_ps), ("seeds", seeds), ("counters", counters)):
         if t.shape != (rows,):
             raise ValueError(f"nucleus_sample: {name} must be [{rows}], got {tuple(t.shape)}")
@@ -453,12 +464,11 @@ def nucleus_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ps: tor
         raise ValueError(f"nucleus_sample: rounds must be in [1, 2**31), got {rounds}")
     if not 1 <= chunked_rounds:
         raise ValueError(f"nucleus_sample: chunked_rounds must be >= 1, got {chunked_rounds}")
-    chunked_rounds = min(chunked_rounds, rounds)
-    out = torch.empty(rows, device=logits.device, dtype=torch.int64)
-    if not rows or not vocab:
-        return out
-    temperatures, top_ps = temperatures.float().contiguous(), top_ps.float().contiguous()
-    seeds, counters = seeds.long().contiguous(), counters.long().contiguous()
+
+
+def _launch_nucleus(logits, temperatures, top_ps, seeds, counters, out, rounds: int, chunked_rounds: int) -> None:
+    """The launches of `nucleus_sample` (its arguments checked, converted and non-empty)."""
+    rows, vocab = logits.shape
     num_chunks = triton.cdiv(vocab, RACE_CHUNK)
     cblock = triton.next_power_of_2(num_chunks)
     # float32 [5, N, chunks]: two races' chunk winners (rounds alternate), chunk maxima, sums, masses
@@ -491,4 +501,3 @@ def nucleus_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ps: tor
         logits, temperatures, top_ps, seeds, counters, out, done[last], vocab, stride, num_chunks,
         stats[last], race_cols[last], chunk_max, chunk_sum, mass,
         FIRST=chunked_rounds, ROUNDS=rounds, BLOCK=NUCLEUS_BLOCK, CBLOCK=cblock, num_warps=8, **hashing)
-    return out
