@@ -471,12 +471,16 @@ def _launch_nucleus(logits, temperatures, top_ps, seeds, counters, out, rounds: 
     rows, vocab = logits.shape
     num_chunks = triton.cdiv(vocab, RACE_CHUNK)
     cblock = triton.next_power_of_2(num_chunks)
+    # Rows padded to a multiple of 4 in the buffers below: each slice [k] then starts 16-byte aligned
+    # whatever the row count, as Triton specialises a kernel per pointer alignment (an odd row count
+    # compiled new variants mid-job, ~70 ms each on an H200).
+    padded = -(-rows // 4) * 4
     # float32 [5, N, chunks]: two races' chunk winners (rounds alternate), chunk maxima, sums, masses
-    stats = torch.empty(5, rows, num_chunks, device=logits.device, dtype=torch.float32)
-    race_cols = torch.empty(2, rows, num_chunks, device=logits.device, dtype=torch.int64)
+    stats = torch.empty(5, padded, num_chunks, device=logits.device, dtype=torch.float32)
+    race_cols = torch.empty(2, padded, num_chunks, device=logits.device, dtype=torch.int64)
     # per row, the round its candidate was accepted in (-1: undecided); rounds alternate between two
     # copies, so a launch only reads what an earlier launch wrote
-    done = torch.empty(2, rows, device=logits.device, dtype=torch.int32)
+    done = torch.empty(2, padded, device=logits.device, dtype=torch.int32)
     chunk_max, chunk_sum, mass = stats[2], stats[3], stats[4]
     hashing = dict(MUL1=HASH_MUL1, MUL2=HASH_MUL2, A0=LANE_A, B0=LANE_B, CMUL=COLUMN_MUL)
     grid = (rows, num_chunks)
