@@ -95,7 +95,7 @@ class LLM:
         init_process_group(ranks, startup.device != "cpu" and _cuda_available(), startup.timeout_s,
                            startup.rendezvous_timeout_s)
         cfg = agreed(lambda: engine_config_from_dict(raw))
-        self._init(Engine(cfg, ranks))
+        self._init(cfg, ranks)
 
     @classmethod
     def from_config(cls, cfg: EngineConfig, ranks: RankInfo, step_progress: StepProgress | None = None) -> LLM:
@@ -103,22 +103,20 @@ class LLM:
         Hydra job's way in (its supervisor's watchdog reads `step_progress`). Collective."""
         llm = cls.__new__(cls)
         llm._owns_group = False
-        engine = Engine(cfg, ranks, step_progress=step_progress)
-        try:
-            llm._init(engine)
+        llm._init(cfg, ranks, step_progress)
+        return llm
+
+    def _init(self, cfg: EngineConfig, ranks: RankInfo, step_progress: StepProgress | None = None) -> None:
+        from spmd_engine.job.prompts import load_tokenizer
+
+        self._engine = engine = Engine(cfg, ranks, step_progress=step_progress)
+        self.ranks: RankInfo = ranks
+        tokenizer_dir = engine.source.tokenizer_dir
+        try:  # every replica's leader decodes its own outputs (a data-parallel job's replicas write their rows)
+            self.tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir and engine.replica.is_leader else None
         except BaseException:
             engine.close()
             raise
-        return llm
-
-    def _init(self, engine: Engine) -> None:
-        from spmd_engine.job.prompts import load_tokenizer
-
-        self._engine = engine
-        self.ranks: RankInfo = engine.ranks
-        tokenizer_dir = engine.source.tokenizer_dir
-        # every replica's leader decodes its own outputs (a data-parallel job's replicas finish their own rows)
-        self.tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir and engine.replica.is_leader else None
 
     @property
     def engine(self) -> Engine:

@@ -73,7 +73,7 @@ def _tiny_llm(tmp_path, max_num_seqs: int = 2):
 def test_stream_pulls_a_lazy_source_and_hands_every_row_to_the_callback(tmp_path):
     """`LLM.stream` (the offline-job path) with keep_outputs=False: a generator is read only as the
     batch has room, every request reaches `on_finish` once, and nothing is kept."""
-    from spmd_engine.core.requests import PromptRequest
+    from spmd_engine import PromptRequest
 
     llm = _tiny_llm(tmp_path, max_num_seqs=2)
     pulled, rows, in_flight = [0], [], []
