@@ -121,6 +121,7 @@ class _JobRecord:
             write_error_file(error_line(str(exc)))  # torchrun's summary: every rank's entry says why
 
     def write(self) -> None:
+        """Rank 0's metrics.json; nothing on other ranks, without a run dir, or into a refused one."""
         if not self.ranks.is_first or self.output_dir is None or self.refused:
             return
         self.metrics.setdefault("config", {k: v for k, v in self.raw_cfg.items() if k != "hydra"})
