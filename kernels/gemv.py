@@ -189,6 +189,30 @@ def _gemv_split_sum_kernel(
     tl.store(out + row * stride_om + cols, acc.to(out.dtype.element_ty), mask=mask)
 
 
+def _checked_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      out_dtype: torch.dtype | None, gated: bool) -> tuple[torch.Tensor, torch.dtype]:
+    """`gemv`'s operands checked (a clear ValueError, not a kernel reading out of bounds): x as rows
+    [M, K] (or [M, 2K] gated) with a contiguous last dim, and the output dtype."""
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or weight.dtype != x.dtype:
+        raise ValueError(f"gemv: x and weight must share one of bf16/fp16/fp32, got {x.dtype}, {weight.dtype}")
+    width = weight.shape[-1] * (2 if gated else 1)
+    if weight.dim() != 2 or weight.stride(1) != 1 or x.shape[-1] != width:
+        raise ValueError(f"gemv: weight must be [N, K] with contiguous rows and {'2K' if gated else 'K'} = x's "
+                         f"last dim ({x.shape[-1]}), got {tuple(weight.shape)}")
+    n = weight.shape[0]
+    x2 = x.reshape(-1, width)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if not 1 <= x2.shape[0] <= GEMV_MAX_M:
+        raise ValueError(f"gemv: rows must be in [1, {GEMV_MAX_M}], got {x2.shape[0]}")
+    if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
+        raise ValueError(f"gemv: bias must be a contiguous [{n}], got {tuple(bias.shape)}")
+    out_dtype = out_dtype or x.dtype
+    if out_dtype not in (x.dtype, torch.float32):
+        raise ValueError(f"gemv: out_dtype must be x's dtype or float32, got {out_dtype}")
+    return x2, out_dtype
+
+
 def gemv(
     x: torch.Tensor,  # [..., K], 1 <= rows <= GEMV_MAX_M, last dim contiguous
     weight: torch.Tensor,  # [N, K], rows contiguous, same dtype as x
@@ -201,24 +225,8 @@ def gemv(
     """x @ weight^T (+ bias) accumulated in float32, rounded once to `out_dtype`; shape [..., N].
 
     `gated`: the same bits as `gemv(silu_and_mul(x), ...)`, without the activation's launch."""
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or weight.dtype != x.dtype:
-        raise ValueError(f"gemv: x and weight must share one of bf16/fp16/fp32, got {x.dtype}, {weight.dtype}")
-    width = weight.shape[-1] * (2 if gated else 1)
-    if weight.dim() != 2 or weight.stride(1) != 1 or x.shape[-1] != width:
-        raise ValueError(f"gemv: weight must be [N, K] with contiguous rows and {'2K' if gated else 'K'} = x's "
-                         f"last dim ({x.shape[-1]}), got {tuple(weight.shape)}")
-    n, k = weight.shape
-    x2 = x.reshape(-1, width)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    m = x2.shape[0]
-    if not 1 <= m <= GEMV_MAX_M:
-        raise ValueError(f"gemv: rows must be in [1, {GEMV_MAX_M}], got {m}")
-    if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
-        raise ValueError(f"gemv: bias must be a contiguous [{n}], got {tuple(bias.shape)}")
-    out_dtype = out_dtype or x.dtype
-    if out_dtype not in (x.dtype, torch.float32):
-        raise ValueError(f"gemv: out_dtype must be x's dtype or float32, got {out_dtype}")
+    x2, out_dtype = _checked_operands(x, weight, bias, out_dtype, gated)
+    (m, _), (n, k) = x2.shape, weight.shape
     cfg = config or gemv_config(n, k, x.element_size())
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k) * cfg.block_k
     split = triton.cdiv(k, k_per_split)  # == cfg.split_k for table/heuristic configs

@@ -11,14 +11,16 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable, Iterable
 from typing import Any, Union
 
-from spmd_engine.config import ConfigError, engine_config_from_dict, startup_settings, store_config_defaults
+from spmd_engine.config import ConfigError, EngineConfig, engine_config_from_dict, startup_settings, store_config_defaults
 from spmd_engine.core.requests import PromptRequest, RequestOutput
 from spmd_engine.core.sequence import SamplingParams
 from spmd_engine.distributed import (RankInfo, broadcast_object, destroy_process_group, discover_ranks,
                                      init_process_group, is_distributed)
 from spmd_engine.engine import Engine, agreed
+from spmd_engine.faults.progress import StepProgress
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 Prompt = Union[str, dict[str, Any]]  # "text", {"prompt": "text"} or {"prompt_token_ids": [...]}
@@ -93,23 +95,34 @@ class LLM:
         init_process_group(ranks, startup.device != "cpu" and _cuda_available(), startup.timeout_s,
                            startup.rendezvous_timeout_s)
         cfg = agreed(lambda: engine_config_from_dict(raw))
-        self._init(Engine(cfg, ranks))
+        self._init(cfg, ranks)
 
     @classmethod
-    def from_engine(cls, engine: Engine) -> LLM:
-        """Wrap an engine built elsewhere (the Hydra job builds its own, with its supervisor)."""
+    def from_config(cls, cfg: EngineConfig, ranks: RankInfo, step_progress: StepProgress | None = None) -> LLM:
+        """An LLM over a config already composed and agreed on, in a process group already made: the
+        Hydra job's way in (its supervisor's watchdog reads `step_progress`). Collective."""
         llm = cls.__new__(cls)
         llm._owns_group = False
-        llm._init(engine)
+        llm._init(cfg, ranks, step_progress)
         return llm
 
-    def _init(self, engine: Engine) -> None:
+    def _init(self, cfg: EngineConfig, ranks: RankInfo, step_progress: StepProgress | None = None) -> None:
         from spmd_engine.job.prompts import load_tokenizer
 
-        self.engine = engine
-        self.ranks: RankInfo = engine.ranks
+        self._engine = engine = Engine(cfg, ranks, step_progress=step_progress)
+        self.ranks: RankInfo = ranks
         tokenizer_dir = engine.source.tokenizer_dir
-        self.tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir and engine.ranks.is_first else None
+        try:  # every replica's leader decodes its own outputs (a data-parallel job's replicas write their rows)
+            self.tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir and engine.replica.is_leader else None
+        except BaseException:
+            engine.close()
+            raise
+
+    @property
+    def engine(self) -> Engine:
+        """The engine under this LLM, for what a job reports about it (`shape`, `replica`, `kv_capacity`,
+        `max_model_len`, `last_run`, ...); generate through the LLM's methods, not the engine's."""
+        return self._engine
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -136,10 +149,28 @@ class LLM:
             requests.append(self._chat_request(i, conversation, params))
         return self._run(requests, use_tqdm)
 
+    def stream(self, requests: Iterable[PromptRequest], on_finish: Callable[[RequestOutput], None] | None = None,
+               keep_outputs: bool = True, progress: bool = False) -> list[RequestOutput]:
+        """Run already-tokenized requests, handing each finished one to `on_finish` as it finishes:
+        `generate` and `chat` run through it, and so does the Hydra job (`run.py`).
+
+        Why it exists beside `generate` (vLLM has no such call): an offline job of any size. `requests`
+        is pulled lazily, only as the batch has room, so a generator may read and tokenize a file as it
+        goes, or wait for work handed to this replica; each finished request (text decoded with this
+        LLM's tokenizer, if it has one) goes to `on_finish` at once, e.g. a row of outputs.jsonl; with
+        `keep_outputs=False` nothing is kept, so memory holds only the requests in flight, and the call
+        returns []. Otherwise the replica's leader returns one engine `RequestOutput` per request, in
+        submission order. Collective over the replica: its other ranks pass anything (they follow
+        the leader's plans) and get []. Nothing is broadcast: `generate` does that for its outputs.
+        """
+        decode = (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)) if self.tokenizer else None
+        return self._engine.generate(requests, on_finish=on_finish, decode=decode, progress=progress,
+                                     keep_outputs=keep_outputs)
+
     def close(self) -> None:
         """Free the model, the KV cache and the CUDA graphs, and the process group if this LLM made it
         (collective: a process that exits with a live gloo/NCCL group may abort at interpreter exit)."""
-        self.engine.close()
+        self._engine.close()
         if self._owns_group:
             destroy_process_group()
             self._owns_group = False
@@ -174,11 +205,9 @@ class LLM:
         return request
 
     def _run(self, requests: list[PromptRequest], use_tqdm: bool) -> list[GenerationOutput]:
-        decode = (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)) if self.tokenizer else None
-        outputs = self.engine.generate(requests if self.ranks.is_first else [], decode=decode, progress=use_tqdm)
+        outputs = self.stream(requests if self.ranks.is_first else [], progress=use_tqdm)
         results = [GenerationOutput.from_engine(out) for out in outputs]
         return broadcast_object(results)  # every rank returns rank 0's outputs
-
 
 def _overrides(params: SamplingParams | None) -> dict[str, Any]:
     """A request's sampling as the engine takes it: every field of `params`, or none (conf's defaults)."""

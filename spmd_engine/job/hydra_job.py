@@ -1,4 +1,5 @@
-"""One Hydra job on one rank: config -> engine -> requests -> generate -> outputs and metrics.
+"""One Hydra job on one rank: config -> `LLM` (the public API, over the engine) -> requests streamed
+through `LLM.stream` -> outputs and metrics.
 
 Rank 0 alone reads prompts, tokenizes and writes files; user errors end every rank with one
 line on rank 0 (exit code 2), and inside a multirun they mark the job failed and the sweep goes on.
@@ -21,17 +22,17 @@ import torch
 
 from spmd_engine.config import ConfigError, EngineConfig, engine_config_from_dict, startup_settings
 from spmd_engine.distributed import RankInfo, all_reduce_min, init_process_group
-from spmd_engine.engine import Engine, agreed
+from spmd_engine.engine import agreed
 from spmd_engine.faults.error_line import error_line, report_error, write_error_file
 from spmd_engine.job.dispatch import DISPATCH_POLL_S, ChunkBoard, ClaimedRequests, Dispatcher, RowPoster
 from spmd_engine.job.feed import RequestFeed, chunk_size, source_requests
 from spmd_engine.job.metrics import RunningStats, write_metrics
 from spmd_engine.job.outputs import OutputsWriter, RequestOutput, read_outputs
-from spmd_engine.job.prompts import load_tokenizer
 from spmd_engine.faults.preflight import check_prompts_file
 from spmd_engine.job.run_dir import RunDirLock, RunDirRefused, claim_run_dir
 from spmd_engine.faults.supervisor import Supervisor
 from spmd_engine.job.workloads import run_bench_warmup
+from spmd_engine.llm import LLM
 
 log = logging.getLogger("spmd_engine")
 EXIT_USER_ERROR = 2
@@ -55,33 +56,21 @@ def run_job(raw_cfg: dict[str, Any], overrides: list[str], ranks: RankInfo, outp
     """
     setup_logging(ranks, raw_cfg.get("log_level", "INFO"))
     supervisor = supervisor or Supervisor(ranks)
-    started = time.time()
-    metrics: dict[str, Any] = {"overrides": overrides, "status": "failed", "world_size": ranks.world_size}
-    llm: Engine | None = None
+    record = _JobRecord(raw_cfg, ranks, output_dir,
+                        {"overrides": overrides, "status": "failed", "world_size": ranks.world_size})
+    llm: LLM | None = None
     run_dir_lock: RunDirLock | None = None
-    refused: list[str] = []  # rank 0's run dir was refused: write nothing into it (metrics.json neither)
     try:
-        # the ranks meet first, then agree on the config: a bad key ends them together (after rank 0's files)
-        startup = startup_settings(raw_cfg)
-        init_process_group(ranks, startup.device != "cpu" and torch.cuda.is_available(), startup.timeout_s,
-                           startup.rendezvous_timeout_s)
-        supervisor.attach(startup.dist_timeout_s)
-        cfg = agreed(lambda: engine_config_from_dict(raw_cfg))
-        run_dir_lock = agreed(lambda: _start_checks(cfg, output_dir, refused) if ranks.is_first else None)
-        llm = Engine(cfg, ranks, step_progress=supervisor.progress)
-        metrics.update(_generate(llm, cfg, ranks, output_dir, supervisor, overrides))
-        metrics["status"] = "ok"
+        cfg = _join(raw_cfg, ranks, supervisor)
+        run_dir_lock = agreed(lambda: _start_checks(cfg, output_dir, record.refused) if ranks.is_first else None)
+        llm = LLM.from_config(cfg, ranks, step_progress=supervisor.progress)
+        record.metrics.update(_generate(llm, cfg, ranks, output_dir, supervisor, overrides))
+        record.metrics["status"] = "ok"
     except ConfigError as exc:  # every rank raises it (engine.agreed) or none does
         supervisor.detach()
-        if isinstance(exc, RunDirRefused):
-            refused.append(str(exc))
-        metrics["error"] = str(exc)
-        if ranks.is_first:
-            report_error(str(exc))
-        else:
-            write_error_file(error_line(str(exc)))  # torchrun's summary: every rank's entry says why
+        record.user_error(exc)
         if not multirun:
-            _write(metrics, raw_cfg, ranks, None if refused else output_dir, started)
+            record.write()
             if ranks.world_size > 1:
                 if run_dir_lock is not None:
                     run_dir_lock.release()
@@ -97,8 +86,49 @@ def run_job(raw_cfg: dict[str, Any], overrides: list[str], ranks: RankInfo, outp
             llm.close()
         if run_dir_lock is not None:
             run_dir_lock.release()
-    _write(metrics, raw_cfg, ranks, None if refused else output_dir, started)
-    return metrics if ranks.is_first else None
+    record.write()
+    return record.metrics if ranks.is_first else None
+
+
+def _join(raw_cfg: dict[str, Any], ranks: RankInfo, supervisor: Supervisor) -> EngineConfig:
+    """The ranks meet first, then agree on the config: a bad key ends them together (after rank 0's files)."""
+    startup = startup_settings(raw_cfg)
+    init_process_group(ranks, startup.device != "cpu" and torch.cuda.is_available(), startup.timeout_s,
+                       startup.rendezvous_timeout_s)
+    supervisor.attach(startup.dist_timeout_s)
+    return agreed(lambda: engine_config_from_dict(raw_cfg))
+
+
+@dataclass
+class _JobRecord:
+    """What rank 0 writes to metrics.json at the end of a job, ok or not, and whether it may."""
+
+    raw_cfg: dict[str, Any]
+    ranks: RankInfo
+    output_dir: Path | None
+    metrics: dict[str, Any]
+    started: float = field(default_factory=time.time)
+    refused: list[str] = field(default_factory=list)  # the run dir was refused: write nothing into it
+
+    def user_error(self, exc: ConfigError) -> None:
+        """Record a user error and say it: one line on rank 0, each other rank's error file for torchrun."""
+        if isinstance(exc, RunDirRefused):
+            self.refused.append(str(exc))
+        self.metrics["error"] = str(exc)
+        if self.ranks.is_first:
+            report_error(str(exc))
+        else:
+            write_error_file(error_line(str(exc)))  # torchrun's summary: every rank's entry says why
+
+    def write(self) -> None:
+        """Rank 0's metrics.json; nothing on other ranks, without a run dir, or into a refused one."""
+        if not self.ranks.is_first or self.output_dir is None or self.refused:
+            return
+        self.metrics.setdefault("config", {k: v for k, v in self.raw_cfg.items() if k != "hydra"})
+        self.metrics["job_time_s"] = time.time() - self.started
+        if torch.cuda.is_available():
+            self.metrics["peak_gpu_memory_gib"] = torch.cuda.max_memory_reserved() / (1 << 30)
+        write_metrics(self.output_dir / "metrics.json", self.metrics)
 
 
 def _leave_together(supervisor: Supervisor, code: int) -> None:
@@ -130,15 +160,6 @@ def _start_checks(cfg: EngineConfig, output_dir: Path | None, refused: list[str]
         raise
 
 
-def _write(metrics: dict, raw_cfg: dict, ranks: RankInfo, output_dir: Path | None, started: float) -> None:
-    if ranks.is_first and output_dir is not None:
-        metrics.setdefault("config", {k: v for k, v in raw_cfg.items() if k != "hydra"})
-        metrics["job_time_s"] = time.time() - started
-        if torch.cuda.is_available():
-            metrics["peak_gpu_memory_gib"] = torch.cuda.max_memory_reserved() / (1 << 30)
-        write_metrics(output_dir / "metrics.json", metrics)
-
-
 PRINT_LIMIT = 64  # a chat job of at most this many requests prints its completions at the end
 
 
@@ -167,28 +188,29 @@ class _RowSink:
             self.bar.update(1)
 
 
-def _generate(llm: Engine, cfg: EngineConfig, ranks: RankInfo, output_dir: Path | None,
+def _generate(llm: LLM, cfg: EngineConfig, ranks: RankInfo, output_dir: Path | None,
               supervisor: Supervisor, overrides: list[str] | None = None) -> dict:
     from spmd_engine.job.generation_defaults import apply_generation_config, explicit_sampling_keys
-    # the checkpoint's generation_config.json under the command line's sampling.* keys (every rank alike)
-    cfg.sampling = agreed(lambda: apply_generation_config(cfg.sampling, llm.source.checkpoint_dir,
+    engine = llm.engine
+    # the checkpoint's generation_config.json under the command line's sampling.* keys (every rank alike;
+    # `cfg` is the engine's own config, so its requests take them)
+    cfg.sampling = agreed(lambda: apply_generation_config(cfg.sampling, engine.source.checkpoint_dir,
                                                           explicit_sampling_keys(overrides or [])))
     gate = supervisor.start_gate()
-    llm.faults.before_requests()
-    board = _board(supervisor) if llm.replica.count > 1 else None
-    # every replica's leader decodes its outputs; loaded before the gate, so all start claiming together
-    tokenizer = (load_tokenizer(llm.source.tokenizer_dir)
-                 if llm.source.tokenizer_dir and llm.replica.is_leader else None)
+    engine.faults.before_requests()
+    board = _board(supervisor) if engine.replica.count > 1 else None
+    # every replica's leader decodes its outputs with llm.tokenizer, loaded with the LLM: before the gate,
+    # so all start claiming together
     if not ranks.is_first:
         refusal = gate.wait() if gate is not None else None  # rank 0 prepares the requests first
         if refusal is not None:
             raise ConfigError(refusal)  # rank 0 refused the requests (a user error): leave with it
-        _serve_replica(llm, cfg, board, tokenizer)
+        _serve_replica(llm, cfg, board)
         return {}
-    feed, writer = _open_requests(llm, cfg, tokenizer, output_dir, gate)
+    feed, writer = _open_requests(llm, cfg, output_dir, gate)
     if gate is not None:
         gate.open()  # everything slow on rank 0 alone is done: the plans follow
-    return _lead(llm, cfg, feed, writer, tokenizer, board, supervisor)
+    return _lead(llm, cfg, feed, writer, board, supervisor)
 
 
 def _board(supervisor: Supervisor) -> ChunkBoard:
@@ -196,50 +218,45 @@ def _board(supervisor: Supervisor) -> ChunkBoard:
     return ChunkBoard(supervisor.board.store, f"spmd_engine/dp/{supervisor.ranks.restart_count}/{supervisor.jobs}")
 
 
-def _decoders(tokenizer) -> tuple[Any, Any]:
-    """(decode(ids), token_text(id)) of the tokenizer, or (None, None) without one."""
-    if tokenizer is None:
-        return None, None
-    return (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)), (lambda token: tokenizer.decode([token]))
-
-
-def _serve_replica(llm: Engine, cfg: EngineConfig, board: ChunkBoard | None, tokenizer) -> None:
+def _serve_replica(llm: LLM, cfg: EngineConfig, board: ChunkBoard | None) -> None:
     """Every rank but 0: follow the replica's plans, or (a replica's leader) claim chunks, generate and
     post the rows to rank 0; with replicas, stay until rank 0 has every row (leaving early would look
     like a dead peer to the others' watchdogs)."""
     bench_warmup = cfg.workload.name == "bench" and cfg.workload.params.get("warmup", True)
-    if not llm.replica.is_leader or board is None:
+    replica = llm.engine.replica
+    if not replica.is_leader or board is None:
         if bench_warmup:
-            llm.generate([])
-        llm.generate([])
+            llm.stream([])
+        llm.stream([])
     else:
         if bench_warmup:
             run_bench_warmup(llm)
-        decode, token_text = _decoders(tokenizer)
-        claimed, poster = ClaimedRequests(board, llm.replica.count), RowPoster(board, llm.replica.index)
+        claimed, poster = ClaimedRequests(board, replica.count), RowPoster(board, replica.index)
         t0 = time.perf_counter()
-        llm.generate(claimed, on_finish=poster, decode=decode, token_text=token_text, keep_outputs=False)
+        llm.stream(claimed, on_finish=poster, keep_outputs=False)
         busy = time.perf_counter() - t0 - claimed.waited_s
-        board.post_done(llm.replica.index, poster.posted, poster.stats, busy)
+        board.post_done(replica.index, poster.posted, poster.stats, busy)
     if board is not None:
         _wait_for(board.is_finished, llm)
 
 
-def _wait_for(done: Callable[[], bool], llm: Engine, check: Callable[[], None] = lambda: None) -> None:
+def _wait_for(done: Callable[[], bool], llm: LLM, check: Callable[[], None] = lambda: None) -> None:
     """Wait for the other replicas, watched like a plan wait: a dead or hung peer still ends the job."""
-    llm.step_progress.wait_plan(first=False)
+    progress = llm.engine.step_progress
+    progress.wait_plan(first=False)
     while not done():
         check()
         time.sleep(DISPATCH_POLL_S)
-    llm.step_progress.idle()
+    progress.idle()
 
 
-def _open_requests(llm: Engine, cfg: EngineConfig, tokenizer, output_dir: Path | None,
+def _open_requests(llm: LLM, cfg: EngineConfig, output_dir: Path | None,
                    gate) -> tuple[RequestFeed, OutputsWriter | None]:
     """Rank 0: the lazy request feed (a resumed job's finished indices checked and skipped) and the writer."""
-    has_tokenizer, vocab = tokenizer is not None, llm.shape.vocab_size
+    tokenizer, replicas = llm.tokenizer, llm.engine.replica.count
+    has_tokenizer, vocab = tokenizer is not None, llm.engine.shape.vocab_size
     requests, total = source_requests(cfg, has_tokenizer, vocab)
-    feed = RequestFeed(cfg, tokenizer, requests, total, chunk_size(total, llm.replica.count, cfg.max_num_seqs))
+    feed = RequestFeed(cfg, tokenizer, requests, total, chunk_size(total, replicas, cfg.max_num_seqs))
     done: list[dict] = []
     outputs_path = output_dir / "outputs.jsonl" if output_dir else None
     if cfg.resume and outputs_path is not None:
@@ -253,7 +270,7 @@ def _open_requests(llm: Engine, cfg: EngineConfig, tokenizer, output_dir: Path |
             raise error
         log.info("resume: %d requests already in %s, %d to run", len(feed.finished), outputs_path, feed.remaining)
     log.info("%d requests, read and tokenized %d at a time as %s", feed.remaining, feed.chunk_size,
-             "the batch has room" if llm.replica.count == 1 else f"{llm.replica.count} replicas ask for them")
+             "the batch has room" if replicas == 1 else f"{replicas} replicas ask for them")
     final_form = None
     if cfg.output_format == "openai":
         from spmd_engine.job.openai_batch import batch_output
@@ -263,24 +280,23 @@ def _open_requests(llm: Engine, cfg: EngineConfig, tokenizer, output_dir: Path |
     return feed, writer
 
 
-def _lead(llm: Engine, cfg: EngineConfig, feed: RequestFeed, writer: OutputsWriter | None, tokenizer,
+def _lead(llm: LLM, cfg: EngineConfig, feed: RequestFeed, writer: OutputsWriter | None,
           board: ChunkBoard | None, supervisor: Supervisor) -> dict:
     """Rank 0: hand out the requests (to the other replicas too), run replica 0's share, write every row."""
     if cfg.workload.name == "bench" and cfg.workload.params.get("warmup", True):
         run_bench_warmup(llm)
     sink = _RowSink(writer, _progress_bar(feed.remaining),
                     [] if cfg.workload.name == "chat" and feed.remaining <= PRINT_LIMIT else None)
-    dispatcher = Dispatcher(board, feed.chunks(), llm.replica.count, sink.row) if board is not None else None
-    requests = ClaimedRequests(board, llm.replica.count, dispatcher.check) if dispatcher is not None else feed
-    decode, token_text = _decoders(tokenizer)
+    replicas = llm.engine.replica.count
+    dispatcher = Dispatcher(board, feed.chunks(), replicas, sink.row) if board is not None else None
+    requests = ClaimedRequests(board, replicas, dispatcher.check) if dispatcher is not None else feed
     keep = cfg.workload.name == "bench"  # the bench report reads the outputs; a chat job keeps none
     t0 = time.perf_counter()
     try:
         with supervisor.before_exit(lambda: _quiesce(dispatcher, writer)):
             if dispatcher is not None:
                 dispatcher.start()
-            outputs = llm.generate(requests, on_finish=sink.output, decode=decode, token_text=token_text,
-                                   keep_outputs=keep)
+            outputs = llm.stream(requests, on_finish=sink.output, keep_outputs=keep)
             busy = time.perf_counter() - t0 - getattr(requests, "waited_s", 0.0)
             if dispatcher is not None:
                 _wait_for(dispatcher.all_done, llm, dispatcher.check)
@@ -310,7 +326,7 @@ def _quiesce(dispatcher: Dispatcher | None, writer: OutputsWriter | None) -> Non
         writer.quiesce()
 
 
-def _job_stats(llm: Engine, cfg: EngineConfig, sink: _RowSink, dispatcher: Dispatcher | None, busy: float,
+def _job_stats(llm: LLM, cfg: EngineConfig, sink: _RowSink, dispatcher: Dispatcher | None, busy: float,
                wall: float, outputs: list[RequestOutput]) -> dict:
     """metrics.json's job part: totals over every replica, and each replica's share."""
     total = RunningStats()
@@ -323,14 +339,15 @@ def _job_stats(llm: Engine, cfg: EngineConfig, sink: _RowSink, dispatcher: Dispa
     log.info("%d requests, %d prompt + %d output tokens in %.2f s: %.1f output tok/s, TTFT p50 %.1f ms, "
              "ITL p50 %.2f ms", stats["num_requests"], stats["prompt_tokens"], stats["output_tokens"], wall,
              stats["output_tokens_per_s"], stats["ttft"].get("p50_ms", 0.0), stats["itl"].get("p50_ms", 0.0))
-    stats["data_parallel_size"], stats["tensor_parallel_size"] = llm.replica.count, llm.replica.tp_size
+    engine = llm.engine
+    stats["data_parallel_size"], stats["tensor_parallel_size"] = engine.replica.count, engine.replica.tp_size
     stats["replicas"] = replicas
-    stats["kv_capacity"] = llm.kv_capacity.as_dict()
-    stats["max_model_len"] = llm.max_model_len
-    stats["engine"] = llm.last_run  # replica 0's steps, decode steps, preemptions, prefix-cache tokens, timing
+    stats["kv_capacity"] = engine.kv_capacity.as_dict()
+    stats["max_model_len"] = engine.max_model_len
+    stats["engine"] = engine.last_run  # replica 0's steps, decode steps, preemptions, prefix-cache tokens, timing
     if cfg.workload.name == "bench":
         from spmd_engine.job.bench_report import bench_report
-        stats["bench"] = bench_report(llm, outputs, wall)  # replica 0's requests
+        stats["bench"] = bench_report(engine, outputs, wall)  # replica 0's requests
     return stats
 
 

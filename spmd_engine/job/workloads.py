@@ -56,5 +56,6 @@ def bench_requests(params: dict) -> list[PromptRequest]:
 
 
 def run_bench_warmup(llm) -> None:
-    """One short untimed request, so compilation and first-touch costs stay out of the timing."""
-    llm.generate([PromptRequest(0, None, list(range(1, 17)), {"max_tokens": 8, "ignore_eos": True})])
+    """One short untimed request through `llm` (an `LLM`), so compilation and first-touch costs stay
+    out of the timing."""
+    llm.stream([PromptRequest(0, None, list(range(1, 17)), {"max_tokens": 8, "ignore_eos": True})])

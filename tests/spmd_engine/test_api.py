@@ -60,3 +60,64 @@ def test_every_rank_returns_the_same_outputs(tmp_path):
     assert len(ok["token_ids"]) == 6 and ok["finish_reason"] == "length" and isinstance(ok["text"], str)
     assert rank0[0]["prompt_token_ids"] and rank0[0]["outputs"][0]["text"] is not None
     assert error["finish_reason"] == "error" and error["error"] == "prompt is empty"
+
+
+def _tiny_llm(tmp_path, max_num_seqs: int = 2):
+    from spmd_engine import LLM
+
+    checkpoint = make_tiny_checkpoint(tmp_path / "tiny", arch="qwen3", max_position_embeddings=64)
+    return LLM(model=str(checkpoint), device="cpu", block_size=4, num_kv_blocks=64, max_model_len=64,
+               max_num_seqs=max_num_seqs)
+
+
+def test_stream_pulls_a_lazy_source_and_hands_every_row_to_the_callback(tmp_path):
+    """`LLM.stream` (the offline-job path) with keep_outputs=False: a generator is read only as the
+    batch has room, every request reaches `on_finish` once, and nothing is kept."""
+    from spmd_engine import PromptRequest
+
+    llm = _tiny_llm(tmp_path, max_num_seqs=2)
+    pulled, rows, in_flight = [0], [], []
+
+    def requests():
+        for i in range(9):
+            pulled[0] += 1
+            yield PromptRequest(i, None, [5 + i, 6, 7], {"max_tokens": 3, "ignore_eos": True})
+
+    def on_finish(out):
+        in_flight.append(pulled[0] - len(rows))  # pulled but not yet finished, this one included
+        rows.append(out)
+
+    assert llm.stream(requests(), on_finish=on_finish, keep_outputs=False) == []
+    llm.close()
+    assert sorted(out.index for out in rows) == list(range(9))
+    assert all(len(out.token_ids) == 3 and out.finish_reason == "length" for out in rows)
+    assert isinstance(rows[0].text, str)  # decoded with the LLM's tokenizer
+    assert max(in_flight) <= 2, in_flight  # bounded by max_num_seqs, not by the source's length
+
+
+def test_generate_and_the_hydra_job_both_run_through_stream(tmp_path, monkeypatch):
+    from spmd_engine.distributed import discover_ranks
+    from spmd_engine.job.hydra_job import run_job
+    from spmd_engine.llm import LLM, compose_config
+
+    calls = []
+    stream = LLM.stream
+
+    def spy(self, requests, *args, **kwargs):
+        calls.append(kwargs.get("keep_outputs", True))
+        return stream(self, requests, *args, **kwargs)
+
+    monkeypatch.setattr(LLM, "stream", spy)
+    llm = _tiny_llm(tmp_path)
+    [out] = llm.generate([{"prompt_token_ids": [5, 6, 7]}])
+    llm.close()
+    assert calls == [True] and out.outputs[0].finish_reason in ("length", "stop")
+
+    calls.clear()
+    raw = compose_config(str(tmp_path / "tiny"), {"device": "cpu", "block_size": 4, "num_kv_blocks": 64,
+                                                  "max_model_len": 64, "prompts": ["hi", "there"],
+                                                  "sampling": {"max_tokens": 2}})
+    metrics = run_job(raw, [], discover_ranks(), tmp_path / "job", multirun=False)
+    assert metrics["status"] == "ok" and calls == [False]  # the chat workload keeps no outputs
+    rows = [json.loads(line) for line in (tmp_path / "job" / "outputs.jsonl").read_text().splitlines()]
+    assert [row["index"] for row in rows] == [0, 1] and all(row["text"] is not None for row in rows)
