@@ -6,7 +6,8 @@ never imports the job.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import copy
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 # What an error row echoes of its request: a 5 MB prompt that fails must not become a 15 MB row.
@@ -38,17 +39,25 @@ class RequestOutput:
     prompt_logprobs: list[dict | None] | None = None  # per prompt token, None for the first
 
     def to_json(self) -> dict:
-        d = asdict(self)
-        for k in ("first_token_time", "token_times", "num_cached_tokens"):
-            d.pop(k)
-        for k in OPTIONAL_FIELDS:
-            if d[k] is None:
-                d.pop(k)
+        """The outputs.jsonl row: the written fields in declaration order, copied (the caller may keep
+        or change the row). Built field by field: `asdict` deep-copies every token id one call at a
+        time, ~5 ms for a request of ~550 prompt and ~550 output tokens, on rank 0's step path."""
+        d = {}
+        for name in _ROW_FIELDS:
+            value = getattr(self, name)
+            if value is None and name in OPTIONAL_FIELDS:
+                continue
+            d[name] = list(value) if name in _ID_LISTS and value is not None else copy.deepcopy(value)
         if self.finish_reason == "error":
             d.update(error_echo(self.prompt, self.prompt_token_ids))
             if self.error is not None and len(self.error) > ERROR_TEXT_CHARS:
                 d["error"] = self.error[:ERROR_TEXT_CHARS] + "..."
         return d
+
+
+_NOT_WRITTEN = ("first_token_time", "token_times", "num_cached_tokens")  # timing: metrics.json only
+_ROW_FIELDS = tuple(f.name for f in fields(RequestOutput) if f.name not in _NOT_WRITTEN)
+_ID_LISTS = ("prompt_token_ids", "token_ids")  # lists of ints: a shallow copy is a full one
 
 
 def error_echo(prompt: str | None, prompt_token_ids: list[int] | None) -> dict:
