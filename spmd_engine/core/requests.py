@@ -96,7 +96,11 @@ def validate_prompt(token_ids: list[int], vocab_size: int, max_model_len: int) -
     """One error line, or None if the prompt fits: non-empty, ids in the vocabulary, room to generate one token."""
     if len(token_ids) == 0:
         return "prompt is empty"
-    for position, token in enumerate(token_ids):
+    try:  # the common case in two C loops (checked at every admission, on the step path)
+        inside = 0 <= min(token_ids) and max(token_ids) < vocab_size
+    except TypeError:
+        inside = False  # something that is not a number: the loop below meets it as before
+    for position, token in enumerate(() if inside else token_ids):  # the first id outside, for the message
         if not 0 <= token < vocab_size:
             return f"prompt_token_ids[{position}]={shorten(str(token), 24)} is outside the vocabulary [0, {vocab_size})"
     if len(token_ids) >= max_model_len:
