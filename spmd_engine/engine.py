@@ -502,14 +502,15 @@ class _Generation:
             self._record_logprobs(sampled, tokens)
         now = time.perf_counter() - self.start
         by_seq: dict[int, int] = {}
-        for seq, token in zip(sampled.seqs, tokens):
+        live = self.live
+        for seq, token in zip(sampled.seqs, tokens.tolist()):  # Python ints at once, not one int() per row
             if seq.is_finished:
                 continue
-            out = self.live[seq.seq_id][1]
+            out = live[seq.seq_id][1]
             if out.first_token_time is None:
                 out.first_token_time = now
             out.token_times.append(now)
-            by_seq[seq.seq_id] = int(token)
+            by_seq[seq.seq_id] = token
         for seq in self.scheduler.postprocess(sampled.schedule, by_seq, self._stop_string):
             self._finish(seq)
             self.bar.update(1)

@@ -121,7 +121,10 @@ class BlockManager:
 
     def ensure_slots(self, seq: Sequence, num_tokens_total: int) -> bool:
         """Append blocks so the table covers `num_tokens_total` tokens; False (no change) if short."""
-        needed = self.blocks_needed(num_tokens_total) - len(seq.block_table)
+        held = len(seq.block_table)
+        if num_tokens_total <= held * self.block_size:  # the common case: asked for every running sequence
+            return True
+        needed = self.blocks_needed(num_tokens_total) - held
         if needed <= 0:
             return True
         if needed > len(self._free):
@@ -149,6 +152,8 @@ class BlockManager:
         num_hashed, parent = self._chain.get(seq.seq_id, (0, None))
         num_full = min(num_computed, len(seq.token_ids)) // self.block_size
         num_full = min(num_full, len(seq.block_table))
+        if num_full <= num_hashed:  # most steps of most sequences complete no block (called per sequence)
+            return
         for i in range(num_hashed, num_full):
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             block_hash = hash_block(parent, tokens)
@@ -159,7 +164,7 @@ class BlockManager:
                 self._hash_to_block[block_hash] = block_id
             # else: an identical block computed by another sequence is already the cached copy
             parent = block_hash
-        self._chain[seq.seq_id] = (max(num_hashed, num_full), parent)
+        self._chain[seq.seq_id] = (num_full, parent)
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; blocks reaching 0 go to the free queue.

@@ -149,14 +149,14 @@ class PlanBuilder:
         self._unsent_drops = []
 
         num = output.num_seqs
-        resets = np.zeros(num, dtype=np.bool_)
-        counts = np.zeros(num, dtype=np.int32)
+        resets: list[bool] = []  # Python lists, one array each at the end: numpy item writes cost more
+        counts: list[int] = []
         new_ids: list[int] = []
         inputs = _Inputs()
-        for b, (seq, start, n) in enumerate(
-            zip(output.seqs, output.num_computed_before, output.num_new_tokens)
-        ):
-            resets[b], counts[b] = self._table_delta(seq, step, new_ids)
+        for seq, start, n in zip(output.seqs, output.num_computed_before, output.num_new_tokens):
+            reset, count = self._table_delta(seq, step, new_ids)
+            resets.append(reset)
+            counts.append(count)
             self._add_inputs(seq, start, n, inputs)
         prev_sampled = self._num_sampled
         sampled_ids = [s.seq_id for s, flag in zip(output.seqs, output.sample) if flag]
@@ -170,8 +170,8 @@ class PlanBuilder:
             query_lens=np.asarray(output.num_new_tokens, dtype=np.int32),
             input_ids=np.asarray(inputs.ids, dtype=np.int32),
             sample=np.asarray(output.sample, dtype=np.bool_),
-            reset_tables=resets,
-            new_block_counts=counts,
+            reset_tables=np.asarray(resets, dtype=np.bool_),
+            new_block_counts=np.asarray(counts, dtype=np.int32),
             new_block_ids=np.asarray(new_ids, dtype=np.int32),
             dropped_seq_ids=np.asarray(dropped, dtype=np.int64),
             deferred_positions=np.asarray(inputs.deferred_positions, dtype=np.int32),

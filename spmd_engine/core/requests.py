@@ -6,7 +6,8 @@ never imports the job.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import copy
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 # What an error row echoes of its request: a 5 MB prompt that fails must not become a 15 MB row.
@@ -38,17 +39,25 @@ class RequestOutput:
     prompt_logprobs: list[dict | None] | None = None  # per prompt token, None for the first
 
     def to_json(self) -> dict:
-        d = asdict(self)
-        for k in ("first_token_time", "token_times", "num_cached_tokens"):
-            d.pop(k)
-        for k in OPTIONAL_FIELDS:
-            if d[k] is None:
-                d.pop(k)
+        """The outputs.jsonl row: the written fields in declaration order, copied (the caller may keep
+        or change the row). Built field by field: `asdict` deep-copies every token id one call at a
+        time: 1.1 ms for a request of 550 prompt and 550 output tokens (4 us so), on rank 0's step path."""
+        d = {}
+        for name in _ROW_FIELDS:
+            value = getattr(self, name)
+            if value is None and name in OPTIONAL_FIELDS:
+                continue
+            d[name] = list(value) if name in _ID_LISTS and value is not None else copy.deepcopy(value)
         if self.finish_reason == "error":
             d.update(error_echo(self.prompt, self.prompt_token_ids))
             if self.error is not None and len(self.error) > ERROR_TEXT_CHARS:
                 d["error"] = self.error[:ERROR_TEXT_CHARS] + "..."
         return d
+
+
+_NOT_WRITTEN = ("first_token_time", "token_times", "num_cached_tokens")  # timing: metrics.json only
+_ROW_FIELDS = tuple(f.name for f in fields(RequestOutput) if f.name not in _NOT_WRITTEN)
+_ID_LISTS = ("prompt_token_ids", "token_ids")  # lists of ints: a shallow copy is a full one
 
 
 def error_echo(prompt: str | None, prompt_token_ids: list[int] | None) -> dict:
@@ -87,7 +96,11 @@ def validate_prompt(token_ids: list[int], vocab_size: int, max_model_len: int) -
     """One error line, or None if the prompt fits: non-empty, ids in the vocabulary, room to generate one token."""
     if len(token_ids) == 0:
         return "prompt is empty"
-    for position, token in enumerate(token_ids):
+    try:  # the common case in two C loops (checked at every admission, on the step path)
+        inside = 0 <= min(token_ids) and max(token_ids) < vocab_size
+    except TypeError:
+        inside = False  # something that is not a number: the loop below meets it as before
+    for position, token in enumerate(() if inside else token_ids):  # the first id outside, for the message
         if not 0 <= token < vocab_size:
             return f"prompt_token_ids[{position}]={shorten(str(token), 24)} is outside the vocabulary [0, {vocab_size})"
     if len(token_ids) >= max_model_len:

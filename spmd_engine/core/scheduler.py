@@ -89,13 +89,14 @@ class ScheduleOutput:
 
     def _add(self, seq: Sequence, num_new: int) -> None:
         """Schedule `num_new` tokens of `seq` and account for them now (see the module docstring)."""
-        sample = seq.num_computed_tokens + num_new == seq.num_planned_tokens
+        before = seq.num_computed_tokens
+        sample = before + num_new == len(seq.token_ids) + seq.num_pending_tokens  # reaches num_planned_tokens
         self.seqs.append(seq)
         self.num_new_tokens.append(num_new)
-        self.num_computed_before.append(seq.num_computed_tokens)
+        self.num_computed_before.append(before)
         self.sample.append(sample)
-        seq.num_computed_tokens += num_new
-        seq.num_pending_tokens += int(sample)
+        seq.num_computed_tokens = before + num_new
+        seq.num_pending_tokens += sample
 
 
 class Scheduler:
@@ -174,7 +175,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and token_budget > 0:
             seq = self.running[i]
-            remaining = seq.num_planned_tokens - seq.num_computed_tokens
+            remaining = len(seq.token_ids) + seq.num_pending_tokens - seq.num_computed_tokens  # planned - computed
             if self._ends_with_pending(seq) or (remaining > 1 and prompt_budget <= 0):
                 i += 1  # finishes by length once its pending token is read / no prompt budget left
                 continue
@@ -237,17 +238,20 @@ class Scheduler:
         `stop_string_check(seq, token)`: the stop string the token completed, or None; the caller's
         incremental detokenizer (core/detokenizer.py), asked for sequences with `stop` strings."""
         finished: list[Sequence] = []
+        cache_full_blocks = self.block_manager.cache_full_blocks if self.block_manager.enable_prefix_caching else None
+        running, done = SequenceStatus.RUNNING, SequenceStatus.FINISHED
         for seq, before, num_new, sample in zip(output.seqs, output.num_computed_before, output.num_new_tokens,
                                                 output.sample):
-            if seq.is_finished:  # aborted, or finished by the step before (this one ran speculatively)
+            status = seq.status
+            if status is done:  # aborted, or finished by the step before (this one ran speculatively)
                 continue
-            if seq.status is SequenceStatus.RUNNING:  # a preempted one holds no blocks any more
-                self.block_manager.cache_full_blocks(seq, before + num_new)
+            if status is running and cache_full_blocks is not None:  # a preempted one holds no blocks any more
+                cache_full_blocks(seq, before + num_new)
             if not sample:
                 continue
             token = sampled[seq.seq_id]
             seq.num_pending_tokens -= 1
-            seq.append_token(token)
+            seq.token_ids.append(int(token))  # Sequence.append_token, inline: once per sequence per step
             reason = self._stop_reason(seq, token, stop_string_check)
             if reason is not None:
                 if seq.status is SequenceStatus.WAITING:
@@ -268,16 +272,19 @@ class Scheduler:
 
     def _ends_with_pending(self, seq: Sequence) -> bool:
         """A pending token that will be the sequence's last (max_tokens or max_model_len)."""
-        if not seq.num_pending_tokens:
+        pending = seq.num_pending_tokens
+        if not pending:
             return False
-        outputs = seq.num_output_tokens + seq.num_pending_tokens
-        return outputs >= seq.params.max_tokens or seq.num_planned_tokens >= self.config.max_model_len
+        planned = len(seq.token_ids) + pending  # num_planned_tokens (asked per running sequence per step)
+        return planned - seq.num_prompt_tokens >= seq.params.max_tokens or planned >= self.config.max_model_len
 
     def _stop_reason(self, seq: Sequence, token: int, stop_string_check: StopStringCheck | None) -> str | None:
         """EOS, a stop token, a stop string (none before min_tokens), then the length limits. A sequence
         finished here that has a speculative step in flight drops its token, whatever stopped it."""
         params = seq.params
-        if seq.num_output_tokens >= params.min_tokens:
+        num_tokens = len(seq.token_ids)  # called for every sampled token: the properties, inline
+        num_output = num_tokens - seq.num_prompt_tokens
+        if num_output >= params.min_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:
                 return FINISH_STOP
             if params.stop_token_ids and token in params.stop_token_ids:
@@ -288,7 +295,7 @@ class Scheduler:
             if matched is not None:
                 seq.stop_reason = matched
                 return FINISH_STOP
-        if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+        if num_output >= params.max_tokens or num_tokens >= self.config.max_model_len:
             return FINISH_LENGTH
         return None
 

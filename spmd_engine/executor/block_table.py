@@ -20,16 +20,38 @@ class BlockTableMirror:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.max_blocks = max_blocks
         self.block_size = block_size
-        self._rows: dict[int, np.ndarray] = {}  # seq_id -> [max_blocks] int32, zero padded
-        self._lens: dict[int, int] = {}
+        # one row per held table, zero padded; a step's tables are one gather of their rows (a stack of
+        # per-sequence arrays cost ~90 us at batch 216, on every rank, every step)
+        self._table = np.zeros((16, max_blocks), dtype=np.int32)
+        self._lens = np.zeros(16, dtype=np.int32)
+        self._row: dict[int, int] = {}  # seq_id -> its row
+        self._free_rows: list[int] = list(range(15, -1, -1))  # popped from the end: lowest row first
 
     @property
     def num_tables(self) -> int:
-        return len(self._rows)
+        return len(self._row)
 
     def tables(self) -> dict[int, list[int]]:
         """Every table held (seq_id -> block ids): for tests and diagnostics, not the step path."""
-        return {sid: row[: self._lens[sid]].tolist() for sid, row in self._rows.items()}
+        return {sid: self._table[r, : self._lens[r]].tolist() for sid, r in self._row.items()}
+
+    def _new_row(self, sid: int) -> int:
+        """A zeroed row for `sid` (its old one when it has one): the table of a reset sequence."""
+        row = self._row.get(sid)
+        if row is None:
+            if not self._free_rows:
+                self._grow()
+            row = self._row[sid] = self._free_rows.pop()
+        self._table[row] = 0
+        self._lens[row] = 0
+        return row
+
+    def _grow(self) -> None:
+        """Twice the rows (tables of new sequences beyond the rows held so far)."""
+        n = self._table.shape[0]
+        self._table = np.concatenate([self._table, np.zeros_like(self._table)])
+        self._lens = np.concatenate([self._lens, np.zeros_like(self._lens)])
+        self._free_rows.extend(range(2 * n - 1, n - 1, -1))
 
     def apply(self, plan: StepPlan) -> np.ndarray:
         """Apply drops, resets and appends; return this step's tables [B, max_blocks] int32 (0-padded).
@@ -37,33 +59,40 @@ class BlockTableMirror:
         Raises if a table does not cover the KV slots the step writes and reads: the padding would
         otherwise send them to block 0, silently."""
         for sid in plan.dropped_seq_ids.tolist():
-            self._rows.pop(sid, None)
-            self._lens.pop(sid, None)
+            row = self._row.pop(sid, None)
+            if row is not None:
+                self._free_rows.append(row)
         offset = 0
         seq_ids = plan.seq_ids.tolist()
         for sid, reset, count in zip(seq_ids, plan.reset_tables.tolist(), plan.new_block_counts.tolist()):
             if reset:
-                self._rows[sid] = np.zeros(self.max_blocks, dtype=np.int32)
-                self._lens[sid] = 0
-            elif sid not in self._rows:
+                row = self._new_row(sid)
+            elif count:
+                row = self._row.get(sid)
+            elif sid in self._row:
+                continue
+            else:
+                row = None
+            if row is None:
                 raise RuntimeError(f"step {plan.step}: seq {sid} has no block table and no reset")
             if count:
-                start = self._lens[sid]
+                start = int(self._lens[row])
                 if start + count > self.max_blocks:
                     raise RuntimeError(f"step {plan.step}: seq {sid} needs {start + count} blocks > {self.max_blocks}")
-                self._rows[sid][start : start + count] = plan.new_block_ids[offset : offset + count]
-                self._lens[sid] = start + count
+                self._table[row, start : start + count] = plan.new_block_ids[offset : offset + count]
+                self._lens[row] = start + count
                 offset += count
         if offset != plan.new_block_ids.shape[0]:
             raise RuntimeError(f"step {plan.step}: {plan.new_block_ids.shape[0]} new block ids, used {offset}")
         if not seq_ids:
             return np.zeros((0, self.max_blocks), dtype=np.int32)
+        rows = np.fromiter(map(self._row.__getitem__, seq_ids), dtype=np.int64, count=len(seq_ids))
         # int32 is enough: a table holds at most max_model_len tokens
-        lens = np.fromiter(map(self._lens.__getitem__, seq_ids), dtype=np.int32, count=len(seq_ids))
+        lens = self._lens[rows]
         tokens = plan.num_computed + plan.query_lens
         if (lens * self.block_size < tokens).any():
             self._raise_short(plan, lens, tokens)
-        return np.stack([self._rows[sid] for sid in seq_ids])
+        return self._table[rows]
 
     def _raise_short(self, plan: StepPlan, lens: np.ndarray, tokens: np.ndarray) -> None:
         b = int(np.flatnonzero(lens * self.block_size < tokens)[0])

@@ -78,6 +78,9 @@ class RunningStats:
 
 def _sample_into(kept: list[float], seen: int, values: list[float], cap: int = SAMPLE_CAP) -> int:
     """Reservoir sampling (Algorithm R, a fixed seed per count: reproducible); returns the new count."""
+    if len(kept) + len(values) <= cap:  # below the cap every value is kept: one extend per request
+        kept.extend(values)
+        return seen + len(values)
     for value in values:
         if len(kept) < cap:
             kept.append(value)

@@ -226,3 +226,36 @@ def test_mirror_rejects_a_table_that_does_not_cover_the_step():
                     new_block_counts=np.array([1, 1], np.int32), new_block_ids=np.array([2, 3], np.int32))
     with pytest.raises(RuntimeError, match=r"step 3: seq 9: this rank's block table holds 1 blocks.* 5 tokens"):
         mirror.apply(plan)
+
+
+def test_mirror_rows_are_reused_and_grown_without_stale_blocks():
+    """The mirror keeps every table in one array (a row per sequence, rows reused after a drop, the array
+    grown past its first rows): a reused or reset row must read back zero padded, never a dropped
+    sequence's blocks, and every step's tables must equal the tables sent."""
+    max_blocks, rng = 6, random.Random(7)
+    mirror, model = BlockTableMirror(max_blocks, 4), {}
+    for step in range(60):
+        dropped = [sid for sid in list(model) if rng.random() < 0.3]
+        for sid in dropped:
+            del model[sid]
+        seq_ids = rng.sample(range(80), rng.randint(1, 40))  # up to 40 tables: past the first 16 rows
+        resets, counts, new_ids = [], [], []
+        for sid in seq_ids:
+            reset = sid not in model or rng.random() < 0.1  # new, or readmitted after a preemption
+            if reset:
+                model[sid] = []
+            count = rng.randint(1 if not model[sid] else 0, max_blocks - len(model[sid]))
+            blocks = [rng.randrange(1, 1000) for _ in range(count)]
+            model[sid] += blocks
+            resets.append(reset)
+            counts.append(count)
+            new_ids += blocks
+        plan = StepPlan(step=step, seq_ids=np.array(seq_ids, np.int64), num_computed=np.zeros(len(seq_ids), np.int32),
+                        query_lens=np.ones(len(seq_ids), np.int32), input_ids=np.zeros(len(seq_ids), np.int32),
+                        sample=np.ones(len(seq_ids), bool), reset_tables=np.array(resets),
+                        new_block_counts=np.array(counts, np.int32), new_block_ids=np.array(new_ids, np.int32),
+                        dropped_seq_ids=np.array(dropped, np.int64))
+        tables = mirror.apply(plan)
+        expected = np.array([model[sid] + [0] * (max_blocks - len(model[sid])) for sid in seq_ids], np.int32)
+        assert tables.dtype == np.int32 and np.array_equal(tables, expected), step
+        assert mirror.tables() == model and mirror.num_tables == len(model)
