@@ -1,7 +1,9 @@
 """Per-request results and the crash-safe outputs.jsonl writer.
 
-Lines are appended and fsynced the moment a request finishes (so a crash or SIGTERM loses no
-finished completion); at a clean end the file is rewritten in submission order. A resumed job
+Lines are appended and flushed to the OS the moment a request finishes (so a crash, SIGKILL or
+SIGTERM of the process loses no finished completion) and fsynced a moment later by a background
+thread (durable against a machine crash without the step loop waiting for the disk); at a clean end
+the file is rewritten in submission order. A resumed job
 first rewrites the complete lines it keeps, so a line torn by the crash can't swallow the next.
 """
 from __future__ import annotations
@@ -52,6 +54,7 @@ class OutputsWriter:
             _rewrite(self.path, keep)
         self._file = open(self.path, "a" if keep else "w", encoding="utf-8")
         self._lock = threading.Lock()
+        self._sync = _BackgroundSync(self._file.fileno())
 
     def write(self, out: RequestOutput) -> None:
         self.write_row(out.to_json())
@@ -64,17 +67,22 @@ class OutputsWriter:
         with self._lock:
             self._file.write(line)
             self._file.flush()
-            os.fsync(self._file.fileno())
+        self._sync.request()
 
     def quiesce(self, timeout_s: float = 5.0) -> None:
-        """Before the process is ended from another thread: let a line being written finish, block the rest."""
-        self._lock.acquire(timeout=timeout_s)
+        """Before the process is ended from another thread: let a line being written finish, block the
+        rest, and make what is written durable."""
+        if self._lock.acquire(timeout=timeout_s) and not self._file.closed:
+            try:
+                os.fsync(self._file.fileno())
+            except OSError:
+                pass
 
     def finalize(self) -> None:
         """Rewrite the file in submission (index) order, one line per index (the first kept), atomically.
 
         Holds (index, offset, length) per row, not the rows: a job of any size sorts in bounded memory."""
-        self._file.close()
+        self.close()
         first: dict[int, tuple[int, int]] = {}
         with open(self.path, "rb") as f:
             offset = 0
@@ -89,8 +97,44 @@ class OutputsWriter:
         return self.final_form(row) if self.final_form else row
 
     def close(self) -> None:
+        """Stop the background fsync, fsync what is written and close the file."""
         if not self._file.closed:
+            self._sync.stop()
+            self._file.flush()
+            os.fsync(self._file.fileno())
             self._file.close()
+
+
+class _BackgroundSync:
+    """fsyncs a file descriptor on its own thread whenever asked: a finished row costs the step loop a
+    flush, not a wait for the disk (~0.6 ms per fsync on the CI disk, once per finished request)."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._wanted = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="outputs-fsync", daemon=True)
+        self._thread.start()
+
+    def request(self) -> None:
+        self._wanted.set()
+
+    def _run(self) -> None:
+        while not self._stopping:
+            self._wanted.wait()
+            self._wanted.clear()
+            if self._stopping:
+                return
+            try:
+                os.fsync(self._fd)
+            except OSError:  # the disk failed: the next write or the final close reports it
+                pass
+
+    def stop(self) -> None:
+        """Let a running fsync finish and end the thread (the owner fsyncs and closes after this)."""
+        self._stopping = True
+        self._wanted.set()
+        self._thread.join()
 
 
 def _read_at(f, offset: int, length: int) -> bytes:

@@ -149,3 +149,28 @@ def test_a_row_holds_the_written_fields_in_order_and_copies_of_the_outputs_lists
     row["logprobs"][0]["top"].append([9, -9.0])
     assert done.token_ids == [5, 6] and done.prompt_token_ids == [1, 2] and done.logprobs[0]["top"] == [[5, -0.5]]
     assert "custom_id" not in out(0).to_json() and "prompt_logprobs" not in out(0).to_json()
+
+
+def test_rows_are_readable_at_once_and_fsynced_off_the_writing_thread(tmp_path, monkeypatch):
+    """The step loop only flushes a finished row (another reader sees it at once); the fsync runs on
+    the writer's own thread, and close fsyncs what is left before the file goes."""
+    import os
+    import threading
+    import time
+
+    import spmd_engine.job.outputs as outputs
+
+    synced_on: list[str] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(outputs.os, "fsync", lambda fd: (synced_on.append(threading.current_thread().name),
+                                                         real_fsync(fd))[1])
+    path = tmp_path / "outputs.jsonl"
+    writer = OutputsWriter(path)
+    writer.write(RequestOutput(3, "p", [1], "t", [2], "length"))
+    assert [json.loads(line)["index"] for line in path.read_text().splitlines()] == [3]
+    deadline = time.monotonic() + 5
+    while not synced_on and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert synced_on and threading.main_thread().name not in synced_on
+    writer.close()
+    assert synced_on[-1] == threading.main_thread().name  # the final fsync, after the thread stopped
