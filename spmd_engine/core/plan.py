@@ -183,27 +183,34 @@ class PlanBuilder:
     def _table_delta(self, seq: Sequence, step: int, new_ids: list[int]) -> tuple[bool, int]:
         """Append to `new_ids` the blocks of `seq`'s table the mirrors lack; returns (reset the mirrors'
         table first, number of blocks appended). Raises if the mirrors' table is no longer a prefix of
-        the scheduler's (a lost drop)."""
+        the scheduler's (a lost drop). Called per sequence per step: the common case (a held table
+        that gained no block) returns after the check, with no other lookup."""
         table = seq.block_table
+        num_blocks = len(table)
         held = self._sent.get(seq.seq_id)
         if held is None:
-            reset, sent = True, 0
-        else:  # the consistency check: the mirrors' table must still be a prefix of this one
-            reset, (sent, last, preemptions) = False, held
-            if preemptions != seq.num_preemptions or len(table) < sent or (sent and table[sent - 1] != last):
-                raise _stale_table(held, seq, step)
-        if len(table) > sent:
-            new_ids.extend(table[sent:])
-            self._sent[seq.seq_id] = _SentTable(len(table), table[-1], seq.num_preemptions)
-            return reset, len(table) - sent
-        if held is None:
-            self._sent[seq.seq_id] = _SentTable(0, -1, seq.num_preemptions)
-        return reset, 0
+            self._sent[seq.seq_id] = _SentTable(num_blocks, table[-1] if table else -1, seq.num_preemptions)
+            new_ids.extend(table)
+            return True, num_blocks
+        sent, last, preemptions = held  # the consistency check: the mirrors' table must still be a prefix
+        if preemptions != seq.num_preemptions or num_blocks < sent or (sent and table[sent - 1] != last):
+            raise _stale_table(held, seq, step)
+        if num_blocks == sent:
+            return False, 0
+        new_ids.extend(table[sent:])
+        self._sent[seq.seq_id] = _SentTable(num_blocks, table[-1], preemptions)
+        return False, num_blocks - sent
 
     def _add_inputs(self, seq: Sequence, start: int, n: int, inputs: _Inputs) -> None:
         """The step's `n` input ids of `seq` from position `start`; the last one is deferred when it is
-        the token the previous step is sampling."""
-        known = seq.token_ids[start : start + n]
+        the token the previous step is sampling. Called per sequence per step: a decode input is one
+        append, not a slice."""
+        token_ids = seq.token_ids
+        num_known = len(token_ids) - start
+        if n == 1 and num_known > 0:  # a decode step of a known token
+            inputs.ids.append(token_ids[start])
+            return
+        known = token_ids[start : start + n]
         inputs.ids.extend(known)
         if len(known) < n:  # the last input is the token the previous step is sampling
             row = self._sample_rows.get(seq.seq_id)
