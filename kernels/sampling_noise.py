@@ -149,6 +149,16 @@ def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, round_: int, vocab
 
 
 @triton.jit
+def _keep_best(score, cols, vocab, best, best_col):
+    """One block of a race: its best score and lowest column on ties, kept if strictly better than
+    the best so far (an earlier block keeps a tie, as torch.argmax)."""
+    block_best = tl.max(score, axis=0)
+    block_col = tl.min(tl.where(score == block_best, cols, vocab), axis=0).to(tl.int64)
+    better = block_best > best
+    return tl.where(better, block_best, best), tl.where(better, block_col, best_col)
+
+
+@triton.jit
 def _gumbel_race_kernel(logits, temps, seeds, counters, best_scores, best_cols, vocab, stride_row, num_chunks,
                         chunk_max, chunk_sum, done_round, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
                         MUL1: tl.constexpr, MUL2: tl.constexpr, A0: tl.constexpr, B0: tl.constexpr,
@@ -180,11 +190,7 @@ def _gumbel_race_kernel(logits, temps, seeds, counters, best_scores, best_cols, 
             top = new_top
         score = z + _gumbel_from_hash(_column_hash(a, b, cols, MUL1, MUL2, CMUL))
         score = tl.where(mask, score, float("-inf"))
-        block_best = tl.max(score, axis=0)
-        block_col = tl.min(tl.where(score == block_best, cols, vocab), axis=0).to(tl.int64)
-        better = block_best > best  # strictly: an earlier block keeps a tie
-        best_col = tl.where(better, block_col, best_col)
-        best = tl.where(better, block_best, best)
+        best, best_col = _keep_best(score, cols, vocab, best, best_col)
     tl.store(best_scores + row * num_chunks + chunk, best)
     tl.store(best_cols + row * num_chunks + chunk, best_col)
     if WITH_STATS:
@@ -246,12 +252,15 @@ def _race_above(base, temp, a, b, vocab, lanes, lo, INCLUSIVE: tl.constexpr, BLO
         else:  # a rejected candidate's int32 key
             allowed = key > lo
         score = tl.where(mask & allowed, score, float("-inf"))
-        block_best = tl.max(score, axis=0)
-        block_col = tl.min(tl.where(score == block_best, cols, vocab), axis=0).to(tl.int64)
-        better = block_best > best
-        cand = tl.where(better, block_col, cand)
-        best = tl.where(better, block_best, best)
+        best, cand = _keep_best(score, cols, vocab, best, cand)
     return cand
+
+
+@triton.jit
+def _row_top(chunk_max, row, num_chunks, CBLOCK: tl.constexpr):
+    """A row's largest logits / T, from the round-0 race's per-chunk maxima."""
+    offs = tl.arange(0, CBLOCK)
+    return tl.max(tl.load(chunk_max + row * num_chunks + offs, mask=offs < num_chunks, other=float("-inf")), axis=0)
 
 
 @triton.jit
@@ -301,9 +310,7 @@ def _nucleus_mass_kernel(logits, temps, stride_row, vocab, num_chunks, race_scor
         temp = tl.load(temps + row)
         cand = _row_candidate(race_scores, race_cols, row, num_chunks, CBLOCK)
         cand_key = _float_key(tl.div_rn(tl.load(base + cand).to(tl.float32), temp))
-        offs = tl.arange(0, CBLOCK)
-        top = tl.max(tl.load(chunk_max + row * num_chunks + offs, mask=offs < num_chunks, other=float("-inf")),
-                     axis=0)
+        top = _row_top(chunk_max, row, num_chunks, CBLOCK)
         acc = tl.zeros((BLOCK,), tl.float32)
         for offset in range(0, CHUNK, BLOCK):
             cols = chunk * CHUNK + offset + tl.arange(0, BLOCK)
@@ -351,11 +358,7 @@ def _nucleus_round_kernel(logits, temps, top_ps, seeds, counters, out, prev_done
                 z = tl.div_rn(tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32), temp)
                 score = z + _gumbel_from_hash(_column_hash(a, b, cols, MUL1, MUL2, CMUL))
                 score = tl.where(mask & (_float_key(z) > cut), score, float("-inf"))
-                block_best = tl.max(score, axis=0)
-                block_col = tl.min(tl.where(score == block_best, cols, vocab), axis=0).to(tl.int64)
-                better = block_best > best
-                best_col = tl.where(better, block_col, best_col)
-                best = tl.where(better, block_best, best)
+                best, best_col = _keep_best(score, cols, vocab, best, best_col)
             tl.store(race_scores + row * num_chunks + chunk, best)
             tl.store(race_cols + row * num_chunks + chunk, best_col)
     if chunk == 0:
