@@ -26,7 +26,8 @@ from spmd_engine.models.model_config import ModelShape
 from spmd_engine.config import ConfigError, EngineConfig
 from spmd_engine.core.detokenizer import OutputText
 from spmd_engine.core.plan import COMMAND_STOP, PlanBuilder, StepPlan
-from spmd_engine.core.requests import PromptRequest, RequestOutput, validate_prompt
+from spmd_engine.core.requests import (NOT_YET, PolledRequests, PromptRequest, RequestOutput, polled,
+                                       validate_prompt)
 from spmd_engine.core.scheduler import ScheduleOutput, Scheduler, SchedulerConfig
 from spmd_engine.core.sequence import SamplingParams, Sequence
 from spmd_engine.distributed import RankInfo, Replica, gather_errors, make_replica
@@ -229,14 +230,16 @@ class Engine:
                 + (f" ({budget.describe()})" if budget is not None else ""))
 
     # --- generation -----------------------------------------------------------------------
-    def generate(self, requests: Iterable[PromptRequest], on_finish: Callable[[RequestOutput], None] | None = None,
+    def generate(self, requests: Iterable[PromptRequest] | PolledRequests,
+                 on_finish: Callable[[RequestOutput], None] | None = None,
                  decode: Callable[[list[int]], str] | None = None, progress: bool = False,
                  token_text: Callable[[int], str] | None = None, keep_outputs: bool = True) -> list[RequestOutput]:
         """Collective over the replica: its leader returns one RequestOutput per request (submission
         order); the other ranks [].
 
-        `requests` is pulled lazily, as the batch has room (a generator may read and tokenize on demand,
-        or wait for work handed out to this replica). `keep_outputs=False` returns [] on the leader too:
+        `requests` is pulled lazily, as the batch has room (a generator may read and tokenize on demand;
+        a `PolledRequests` may answer "not yet" while the batch runs, e.g. work not yet handed out to
+        this replica). `keep_outputs=False` returns [] on the leader too:
         the outputs go to `on_finish` only, so a job of any size holds only the requests in flight.
         `token_text(id)`: one token's text, for the alternatives of logprobs (None: decode([id]))."""
         if not self.replica.is_leader:
@@ -284,7 +287,7 @@ def new_scheduler(cfg: EngineConfig, max_model_len: int, num_blocks: int, eos_to
 class _Generation:
     """Rank 0's state for one generate call: scheduler, plans, sampler and the outputs."""
 
-    def __init__(self, llm: Engine, requests: Iterable[PromptRequest], on_finish, decode, progress: bool,
+    def __init__(self, llm: Engine, requests: Iterable[PromptRequest] | PolledRequests, on_finish, decode, progress: bool,
                  keep_outputs: bool = True) -> None:
         cfg = llm.cfg
         self.llm = llm
@@ -308,7 +311,7 @@ class _Generation:
         self.live: dict[int, tuple[Sequence, RequestOutput]] = {}
         self.keep_outputs = keep_outputs
         self.total = len(requests) if hasattr(requests, "__len__") else None
-        self.requests = iter(requests)  # pulled by `_refill` as the batch has room
+        self.requests = polled(requests)  # pulled by `_refill` as the batch has room
         self.fed = 0  # requests pulled so far: the next one's seq_id
         self.fed_all = False
         self.cached_tokens = 0
@@ -426,10 +429,14 @@ class _Generation:
 
     def _refill(self) -> None:
         """Pull requests until the batch could be full (waiting + running reach max_num_seqs) or the
-        source ends: a lazy source is read, tokenized or handed out only as this replica has room."""
+        source ends: a lazy source is read, tokenized or handed out only as this replica has room.
+        A polled source waits only while nothing runs; with sequences running, "not yet" ends the
+        refill and the loop keeps stepping them (it asks again next step)."""
         scheduler, room = self.scheduler, self.llm.cfg.max_num_seqs
         while not self.fed_all and scheduler.num_waiting + scheduler.num_running < room:
-            request = next(self.requests, None)
+            request = self.requests.poll(wait=not scheduler.has_unfinished())
+            if request is NOT_YET:
+                return
             if request is None:
                 self.fed_all = True
                 return

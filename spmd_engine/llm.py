@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Union
 
 from spmd_engine.config import ConfigError, EngineConfig, engine_config_from_dict, startup_settings, store_config_defaults
-from spmd_engine.core.requests import PromptRequest, RequestOutput
+from spmd_engine.core.requests import PolledRequests, PromptRequest, RequestOutput
 from spmd_engine.core.sequence import SamplingParams
 from spmd_engine.distributed import (RankInfo, broadcast_object, destroy_process_group, discover_ranks,
                                      init_process_group, is_distributed)
@@ -149,8 +149,9 @@ class LLM:
             requests.append(self._chat_request(i, conversation, params))
         return self._run(requests, use_tqdm)
 
-    def stream(self, requests: Iterable[PromptRequest], on_finish: Callable[[RequestOutput], None] | None = None,
-               keep_outputs: bool = True, progress: bool = False) -> list[RequestOutput]:
+    def stream(self, requests: Iterable[PromptRequest] | PolledRequests,
+               on_finish: Callable[[RequestOutput], None] | None = None, keep_outputs: bool = True,
+               progress: bool = False) -> list[RequestOutput]:
         """Run already-tokenized requests, handing each finished one to `on_finish` as it finishes:
         `generate` and `chat` run through it, and so does the Hydra job (`run.py`).
 

@@ -7,8 +7,10 @@ never imports the job.
 from __future__ import annotations
 
 import copy
+import enum
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Literal, Protocol, runtime_checkable
 
 # What an error row echoes of its request: a 5 MB prompt that fails must not become a 15 MB row.
 ERROR_ECHO_CHARS = 200  # first characters of `prompt`; `prompt_chars` then holds the full length
@@ -85,6 +87,46 @@ class PromptRequest:
     chat_template_kwargs: dict[str, Any] | None = None  # this line's template options (over the job's)
     custom_id: str | None = None  # the OpenAI batch line's id, echoed in its output row
     api: str | None = None  # an OpenAI batch line's endpoint: "chat" | "completions" (None: our own line)
+
+
+class NotYet(enum.Enum):
+    """A polled request source's "nothing ready now, ask again later" (see `PolledRequests`)."""
+
+    NOT_YET = "not yet"
+
+
+NOT_YET = NotYet.NOT_YET
+
+
+@runtime_checkable
+class PolledRequests(Protocol):
+    """A request source the engine polls, for work that arrives while the batch runs (a replica's chunks
+    handed out by rank 0).
+
+    Why not a plain iterator: `next()` can only block or end, and a replica that blocked for its next
+    chunk would stop stepping the sequences it already runs. `poll(wait=False)` may answer NOT_YET (the
+    engine keeps stepping and polls again next step); the engine passes `wait=True` only when it has
+    nothing running, and then the answer is a request or None (no more requests, ever)."""
+
+    def poll(self, wait: bool) -> "PromptRequest | None | Literal[NotYet.NOT_YET]": ...
+
+
+@dataclass
+class IteratedRequests:
+    """A plain iterable as a `PolledRequests`: always ready (a read may block), None at its end."""
+
+    requests: Iterable["PromptRequest"]
+
+    def __post_init__(self) -> None:
+        self._it = iter(self.requests)
+
+    def poll(self, wait: bool) -> "PromptRequest | None":
+        return next(self._it, None)
+
+
+def polled(requests: Iterable["PromptRequest"] | PolledRequests) -> PolledRequests:
+    """`requests` as the engine pulls them: a `PolledRequests` as is, any other iterable wrapped."""
+    return requests if isinstance(requests, PolledRequests) else IteratedRequests(requests)
 
 
 def shorten(text: str, limit: int = 60) -> str:

@@ -18,10 +18,11 @@ from __future__ import annotations
 import pickle
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from spmd_engine.core.requests import PromptRequest, RequestOutput
+from spmd_engine.core.requests import NOT_YET, NotYet, PromptRequest, RequestOutput
 from spmd_engine.job.metrics import RunningStats
 
 POLL_S = 0.005  # a replica's wait for a chunk that is not there yet
@@ -58,20 +59,33 @@ class ChunkBoard:
     def claimed(self) -> int:
         return self.store.add(self._key("next_chunk"), 0)
 
-    def claim(self, alive: Callable[[], None] = lambda: None) -> list[PromptRequest] | None:
-        """The next chunk (waiting for rank 0 to publish it), or None once every chunk is handed out.
-        `alive()` runs while waiting and may raise (rank 0's dispatcher failed)."""
-        k = self.store.add(self._key("next_chunk"), 1) - 1
+    def claim_index(self) -> int:
+        """Claim the next chunk index: it is this replica's from now on, published or not."""
+        return self.store.add(self._key("next_chunk"), 1) - 1
+
+    def take(self, k: int) -> list[PromptRequest] | None | NotYet:
+        """Claimed chunk `k` if rank 0 published it, None if the job has fewer chunks, NOT_YET otherwise
+        (no wait: one look at the store)."""
         key, end = self._key(f"chunk/{k}"), self._key("chunks")
-        while True:
-            if self.store.check([key]):
-                chunk = pickle.loads(self.store.get(key))
-                self.store.delete_key(key)
-                return chunk
-            if self.store.check([end]) and k >= int(self.store.get(end)):
-                return None
+        if self.store.check([key]):
+            chunk = pickle.loads(self.store.get(key))
+            self.store.delete_key(key)
+            return chunk
+        if self.store.check([end]) and k >= int(self.store.get(end)):
+            return None
+        return NOT_YET
+
+    def wait_for(self, k: int, alive: Callable[[], None] = lambda: None) -> list[PromptRequest] | None:
+        """Claimed chunk `k` (waiting for rank 0 to publish it), or None once every chunk is handed out.
+        `alive()` runs while waiting and may raise (rank 0's dispatcher failed, a rank died)."""
+        while (chunk := self.take(k)) is NOT_YET:
             alive()
             time.sleep(POLL_S)
+        return chunk
+
+    def claim(self, alive: Callable[[], None] = lambda: None) -> list[PromptRequest] | None:
+        """The next chunk (waiting for rank 0 to publish it), or None once every chunk is handed out."""
+        return self.wait_for(self.claim_index(), alive)
 
     def post_row(self, replica: int, n: int, row: dict) -> None:
         self.store.set(self._key(f"out/{replica}/{n}"), pickle.dumps(row))
@@ -101,27 +115,64 @@ class ChunkBoard:
 
 @dataclass
 class ClaimedRequests:
-    """A replica leader's requests: chunks claimed from the board as the engine pulls (`Engine.generate`
-    pulls only when its batch has room); the time spent waiting for a chunk is not busy time."""
+    """A replica leader's requests: chunks claimed from the board as the engine polls (`Engine.generate`
+    polls only when its batch has room); the time spent waiting for a chunk is not busy time.
+
+    A `PolledRequests`: a claimed chunk rank 0 has not published yet is "not yet" while the replica
+    runs sequences (it keeps stepping them; the claim stays this replica's and is looked at again, at
+    most every POLL_S, on later polls), and is waited for only when it has nothing running."""
 
     board: ChunkBoard
     replicas: int
     alive: Callable[[], None] = lambda: None
     waited_s: float = 0.0
     claimed: int = 0  # requests this replica took
+    pending_polls: int = 0  # polls answered NOT_YET (a claimed chunk not yet published)
+    _queue: deque[PromptRequest] = field(default_factory=deque)  # the current chunk's requests not yet taken
+    _claim: int | None = None  # a claimed chunk index not taken yet
+    _arrived: bool = False
+    _ended: bool = False
+    _looked_at: float = float("-inf")  # when a non-waiting poll last read the store
+
+    def poll(self, wait: bool) -> PromptRequest | None | NotYet:
+        if self._queue:
+            return self._queue.popleft()
+        if self._ended:
+            return None
+        if not wait and time.perf_counter() - self._looked_at < POLL_S:
+            self.pending_polls += 1
+            return NOT_YET  # looked a moment ago: don't add a store round trip to every step
+        if not self._arrived:
+            t0 = time.perf_counter()
+            self.board.arrive_and_wait(self.replicas, self.alive)
+            self._arrived = True
+            self.waited_s += time.perf_counter() - t0
+        while not self._queue:
+            if self._claim is None:
+                self._claim = self.board.claim_index()
+            if wait:
+                t0 = time.perf_counter()
+                chunk = self.board.wait_for(self._claim, self.alive)
+                self.waited_s += time.perf_counter() - t0
+            else:
+                chunk = self.board.take(self._claim)
+                self._looked_at = time.perf_counter()
+                if chunk is NOT_YET:
+                    self.alive()  # e.g. rank 0's dispatcher failed: say so now, not at the next wait
+                    self.pending_polls += 1
+                    return NOT_YET
+            self._claim = None
+            if chunk is None:
+                self._ended = True
+                return None
+            self.claimed += len(chunk)
+            self._queue.extend(chunk)
+        return self._queue.popleft()
 
     def __iter__(self) -> Iterator[PromptRequest]:
-        t0 = time.perf_counter()
-        self.board.arrive_and_wait(self.replicas, self.alive)
-        self.waited_s += time.perf_counter() - t0
-        while True:
-            t0 = time.perf_counter()
-            chunk = self.board.claim(self.alive)
-            self.waited_s += time.perf_counter() - t0
-            if chunk is None:
-                return
-            self.claimed += len(chunk)
-            yield from chunk
+        """Every request this replica claims, waiting for each chunk (a consumer without a batch)."""
+        while (request := self.poll(wait=True)) is not None:
+            yield request
 
 
 @dataclass

@@ -54,3 +54,48 @@ def test_chunks_are_small_enough_to_balance_and_never_outgrow_a_batch():
     assert chunk_size(10_000, 4, 256) == 64
     assert chunk_size(10_000, 4, 8) == 8
     assert chunk_size(1_000, 4, 256) == 32
+
+
+def test_a_chunk_published_late_does_not_stall_the_running_sequences(tmp_path):
+    """Rank 0 publishes chunk 1 only once chunk 0's requests are finished (or after 10 s): the replica
+    that claimed chunk 1 must keep stepping chunk 0's sequences meanwhile, not wait in its claim (the
+    old blocking claim waited the whole 10 s, then ran everything), and the tokens stay the greedy ones."""
+    from tests.spmd_engine.test_engine import generate, make_llm
+    from tests.helpers.tiny_checkpoints import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path / "ckpt", arch="qwen3", max_position_embeddings=128, tokenizer=False)
+    prompts = [[5, 6, 7], [9] * 10 + [11], list(range(20, 45)), [40, 41, 42, 43]]
+    llm = make_llm(path, max_num_seqs=4, sampling={"temperature": 0.0, "max_tokens": 12, "ignore_eos": True})
+    try:
+        reference = [o.token_ids for o in generate(llm, prompts)]
+        requests = [PromptRequest(i, None, p) for i, p in enumerate(prompts)]
+        first_done = threading.Event()
+        finished: list[int] = []
+        seen_at_publish: list[list[int]] = []
+
+        def late_chunks():
+            yield requests[:2]
+            first_done.wait(timeout=10.0)
+            seen_at_publish.append(sorted(finished))
+            yield requests[2:]
+
+        def on_finish(out: RequestOutput) -> None:
+            finished.append(out.index)
+            if {0, 1} <= set(finished):
+                first_done.set()
+
+        board = ChunkBoard(dist.HashStore(), "job")
+        dispatcher = Dispatcher(board, late_chunks(), num_replicas=1, write_row=lambda row: None)
+        dispatcher.start()
+        claimed = ClaimedRequests(board, 1, dispatcher.check)
+        try:
+            outputs = llm.generate(claimed, on_finish=on_finish)
+        finally:
+            dispatcher.stop()
+        dispatcher.check()
+    finally:
+        llm.close()
+    assert seen_at_publish == [[0, 1]], seen_at_publish  # chunk 0 ran to its end while chunk 1 was pending
+    assert claimed.pending_polls > 0 and claimed.claimed == len(prompts)
+    assert [o.index for o in outputs] == list(range(len(prompts)))
+    assert [o.token_ids for o in outputs] == reference
