@@ -2,7 +2,7 @@
 
 floor = (matmul + LM-head weights read once per decode step (the longest output's length - 1) + every
 sequence's KV context read at each of its decode steps) / measured copy bandwidth + prefill FLOPs /
-measured matmul rate, all per rank.
+measured matmul rate, all per rank; with data-parallel replicas, the largest replica's floor.
 """
 from __future__ import annotations
 
@@ -40,8 +40,8 @@ def measure_device_rates(device: torch.device) -> dict:
     return {"copy_bytes_per_s": 2 * (1 << 28) / copy_s, "matmul_flop_per_s": 2 * 8192**3 / mm_s}
 
 
-def bench_report(llm, outputs, wall_s: float) -> dict:
-    """The floor of this run, its measured fraction, and the last generate call's step timing."""
+def bench_work(llm, outputs) -> dict:
+    """What one replica's requests need at the least, per rank (the floor's terms, before any rate)."""
     shape, tp = llm.shape, llm.replica.tp_size
     kv_bytes_per_token = llm.runner.spec.bytes_per_block // llm.cfg.block_size
     weights = _weight_bytes(llm.model)
@@ -59,19 +59,49 @@ def bench_report(llm, outputs, wall_s: float) -> dict:
     # the fewest decode steps any schedule needs: the longest output, every sequence decoding together
     decode_steps = max((len(o.token_ids) - 1 for o in ok), default=0)
     weight_bytes = weights["matmul"] + weights["lm_head"]  # what one decode step reads (not the embedding)
-    report = {"weight_bytes_per_rank": weight_bytes, "kv_bytes_read": kv_bytes, "prefill_flops": prefill_flops,
-              "min_decode_steps": decode_steps, **llm.last_run}
+    return {"weight_bytes_per_rank": weight_bytes, "kv_bytes_read": kv_bytes, "prefill_flops": prefill_flops,
+            "min_decode_steps": decode_steps}
+
+
+def _floor_s(work: dict, rates: dict) -> float:
+    return (work["weight_bytes_per_rank"] * work["min_decode_steps"] + work["kv_bytes_read"]) \
+        / rates["copy_bytes_per_s"] + work["prefill_flops"] / rates["matmul_flop_per_s"]
+
+
+def bench_report(llm, works: list[dict], engine_run: dict, wall_s: float, output_tokens: int,
+                 world_size: int) -> dict:
+    """The floor of this run, its measured fraction, the job's throughput and step timing.
+
+    `works`: each data-parallel replica's `bench_work`, in replica order; `engine_run`: metrics.json's
+    `engine` (the replicas' steps merged). Replicas run side by side, so the job's floor is the largest
+    replica floor; output tok/s is the whole job's output tokens over the wall time, and per GPU that
+    over the world size (every rank is one GPU)."""
+    report: dict = dict(works[0]) if len(works) == 1 else {
+        "weight_bytes_per_rank": works[0]["weight_bytes_per_rank"],
+        "kv_bytes_read": sum(w["kv_bytes_read"] for w in works),
+        "prefill_flops": sum(w["prefill_flops"] for w in works),
+        "min_decode_steps": max(w["min_decode_steps"] for w in works),
+        "per_replica": [{"replica": r, **w} for r, w in enumerate(works)]}
+    per_s = output_tokens / wall_s if wall_s > 0 else 0.0
+    report.update({"world_size": world_size, "output_tokens_per_s": per_s,
+                   "output_tokens_per_s_per_gpu": per_s / world_size})
+    report.update({k: v for k, v in engine_run.items() if k != "per_replica"})
+    log.info("bench: %d output tokens in %.2f s: %.1f tok/s, %.1f per GPU (%d GPUs)", output_tokens, wall_s,
+             per_s, per_s / world_size, world_size)
     rates = measure_device_rates(llm.device)
     if rates:
-        floor = (weight_bytes * decode_steps + kv_bytes) / rates["copy_bytes_per_s"] \
-            + prefill_flops / rates["matmul_flop_per_s"]
+        floors = [_floor_s(w, rates) for w in works]
+        floor = max(floors)
+        if len(works) > 1:
+            for row, replica_floor in zip(report["per_replica"], floors):
+                row["floor_s"] = replica_floor
         report.update(rates)
         report["floor_s"] = floor
         report["fraction_of_floor"] = floor / wall_s if wall_s > 0 else 0.0
         log.info("bench: %.2f s wall vs %.2f s floor (%.0f%% of the floor; copy %.2f TB/s, matmul %.0f TFLOP/s)",
                  wall_s, floor, 100 * report["fraction_of_floor"], rates["copy_bytes_per_s"] / 1e12,
                  rates["matmul_flop_per_s"] / 1e12)
-    timing = llm.last_run.get("step_timing", {})
+    timing = engine_run.get("step_timing", {})
     for kind in ("decode_max_batch", "decode", "mixed", "prefill"):
         row = timing.get(kind)
         if row:

@@ -9,7 +9,7 @@ take more. Store keys (under one job's prefix):
   ready         replica leaders at their first claim (`store.add`): claims start when all are there
   next_chunk    the claim counter (`store.add`): a replica leader's claim is the value it got, minus one
   out/<r>/<n>   replica r's n-th finished row (pickled `RequestOutput.to_json`), deleted once written
-  done/<r>      replica r's end: its rows count and its RunningStats
+  done/<r>      replica r's end: its rows count, RunningStats, busy time, engine steps (and bench work)
   finished      rank 0 has every row: every rank may leave
 The store is the job's (trusted network, as the plans' pickles; docs/RELIABILITY.md).
 """
@@ -98,9 +98,13 @@ class ChunkBoard:
         self.store.delete_key(key)
         return row
 
-    def post_done(self, replica: int, rows: int, stats: RunningStats, busy_s: float) -> None:
+    def post_done(self, replica: int, rows: int, stats: RunningStats, busy_s: float, engine: dict | None = None,
+                  bench: dict | None = None) -> None:
+        """Replica `replica`'s end: its rows count, request stats and busy time, its leader's
+        `Engine.last_run` (steps, step timing: for metrics.json's totals) and a bench job's `bench_work`."""
         self.store.set(self._key(f"done/{replica}"), pickle.dumps({"rows": rows, "stats": vars(stats),
-                                                                  "busy_s": busy_s}))
+                                                                  "busy_s": busy_s, "engine": engine or {},
+                                                                  "bench": bench}))
 
     def done(self, replica: int) -> dict | None:
         key = self._key(f"done/{replica}")

@@ -26,7 +26,7 @@ from spmd_engine.engine import agreed
 from spmd_engine.faults.error_line import error_line, report_error, write_error_file
 from spmd_engine.job.dispatch import DISPATCH_POLL_S, ChunkBoard, ClaimedRequests, Dispatcher, RowPoster
 from spmd_engine.job.feed import RequestFeed, chunk_size, source_requests
-from spmd_engine.job.metrics import RunningStats, write_metrics
+from spmd_engine.job.metrics import RunningStats, replicas_engine, write_metrics
 from spmd_engine.job.outputs import OutputsWriter, RequestOutput, read_outputs
 from spmd_engine.faults.preflight import check_prompts_file
 from spmd_engine.job.run_dir import RunDirLock, RunDirRefused, claim_run_dir
@@ -232,10 +232,15 @@ def _serve_replica(llm: LLM, cfg: EngineConfig, board: ChunkBoard | None) -> Non
         if bench_warmup:
             run_bench_warmup(llm)
         claimed, poster = ClaimedRequests(board, replica.count), RowPoster(board, replica.index)
+        bench = cfg.workload.name == "bench"  # the bench report's floor needs this replica's outputs
         t0 = time.perf_counter()
-        llm.stream(claimed, on_finish=poster, keep_outputs=False)
+        outputs = llm.stream(claimed, on_finish=poster, keep_outputs=bench)
         busy = time.perf_counter() - t0 - claimed.waited_s
-        board.post_done(replica.index, poster.posted, poster.stats, busy)
+        work = None
+        if bench:
+            from spmd_engine.job.bench_report import bench_work
+            work = bench_work(llm.engine, outputs)
+        board.post_done(replica.index, poster.posted, poster.stats, busy, _engine_record(llm), work)
     if board is not None:
         _wait_for(board.is_finished, llm)
 
@@ -326,34 +331,51 @@ def _quiesce(dispatcher: Dispatcher | None, writer: OutputsWriter | None) -> Non
         writer.quiesce()
 
 
+def _engine_record(llm: LLM) -> dict:
+    """A replica leader's engine figures for metrics.json: its last generate call's and its KV pool."""
+    return {**llm.engine.last_run, "kv_capacity": llm.engine.kv_capacity.as_dict()}
+
+
 def _job_stats(llm: LLM, cfg: EngineConfig, sink: _RowSink, dispatcher: Dispatcher | None, busy: float,
                wall: float, outputs: list[RequestOutput]) -> dict:
-    """metrics.json's job part: totals over every replica, and each replica's share."""
+    """metrics.json's job part: totals over every replica (requests, tokens, throughput, busy time, engine
+    steps), and each replica's share (`replicas`, `engine.per_replica`)."""
     total = RunningStats()
     total.merge(vars(sink.stats))
-    replicas = [_replica_row(0, vars(sink.stats), busy)]
-    for replica, report in sorted((dispatcher.reports if dispatcher is not None else {}).items()):
-        total.merge(report["stats"])
-        replicas.append(_replica_row(replica, report["stats"], report["busy_s"]))
-    stats = total.summary(wall)
-    log.info("%d requests, %d prompt + %d output tokens in %.2f s: %.1f output tok/s, TTFT p50 %.1f ms, "
-             "ITL p50 %.2f ms", stats["num_requests"], stats["prompt_tokens"], stats["output_tokens"], wall,
-             stats["output_tokens_per_s"], stats["ttft"].get("p50_ms", 0.0), stats["itl"].get("p50_ms", 0.0))
     engine = llm.engine
+    replicas = [_replica_row(0, vars(sink.stats), busy, engine.last_run)]
+    runs = [engine.last_run if dispatcher is None else _engine_record(llm)]
+    reports = sorted((dispatcher.reports if dispatcher is not None else {}).items())
+    for replica, report in reports:
+        total.merge(report["stats"])
+        replicas.append(_replica_row(replica, report["stats"], report["busy_s"], report["engine"]))
+        runs.append(report["engine"])
+    stats = total.summary(wall)
+    world_size = engine.replica.count * engine.replica.tp_size
+    stats["output_tokens_per_s_per_gpu"] = stats["output_tokens_per_s"] / world_size
+    log.info("%d requests, %d prompt + %d output tokens in %.2f s: %.1f output tok/s (%.1f per GPU), TTFT p50 "
+             "%.1f ms, ITL p50 %.2f ms", stats["num_requests"], stats["prompt_tokens"], stats["output_tokens"], wall,
+             stats["output_tokens_per_s"], stats["output_tokens_per_s_per_gpu"], stats["ttft"].get("p50_ms", 0.0),
+             stats["itl"].get("p50_ms", 0.0))
     stats["data_parallel_size"], stats["tensor_parallel_size"] = engine.replica.count, engine.replica.tp_size
+    stats["busy_s"] = sum(row["busy_s"] for row in replicas)  # summed over replicas (replica-seconds)
     stats["replicas"] = replicas
-    stats["kv_capacity"] = engine.kv_capacity.as_dict()
+    stats["kv_capacity"] = engine.kv_capacity.as_dict()  # per rank (rank 0's; every replica's in engine.per_replica)
     stats["max_model_len"] = engine.max_model_len
-    stats["engine"] = engine.last_run  # replica 0's steps, decode steps, preemptions, prefix-cache tokens, timing
+    # steps, decode steps, preemptions, prefix-cache tokens, step timing: the one replica's, or summed / merged
+    # over the replicas with each one's own in engine.per_replica
+    stats["engine"] = replicas_engine(runs)
     if cfg.workload.name == "bench":
-        from spmd_engine.job.bench_report import bench_report
-        stats["bench"] = bench_report(engine, outputs, wall)  # replica 0's requests
+        from spmd_engine.job.bench_report import bench_report, bench_work
+        works = [bench_work(engine, outputs)] + [report["bench"] for _, report in reports]
+        stats["bench"] = bench_report(engine, works, stats["engine"], wall, stats["output_tokens"], world_size)
     return stats
 
 
-def _replica_row(replica: int, stats: dict, busy_s: float) -> dict:
+def _replica_row(replica: int, stats: dict, busy_s: float, engine: dict) -> dict:
     return {"replica": replica, "requests": stats["num_requests"], "errors": stats["num_errors"],
-            "prompt_tokens": stats["prompt_tokens"], "output_tokens": stats["output_tokens"], "busy_s": busy_s}
+            "prompt_tokens": stats["prompt_tokens"], "output_tokens": stats["output_tokens"], "busy_s": busy_s,
+            "steps": engine.get("steps", 0)}
 
 
 def _progress_bar(total: int):

@@ -111,3 +111,66 @@ def kv_demand_tokens(outputs: list[RequestOutput]) -> int:
 
 def write_metrics(path: Path, metrics: dict) -> None:
     Path(path).write_text(json.dumps(metrics, indent=2, default=str) + "\n", encoding="utf-8")
+
+
+SUMMED_ENGINE_KEYS = ("steps", "decode_steps", "preemptions", "cached_prompt_tokens")
+
+
+def replicas_engine(runs: list[dict]) -> dict:
+    """metrics.json's `engine` for a job of len(runs) data-parallel replicas (`Engine.last_run` of each
+    replica's leader, in replica order): one replica's as is; with several, the counts summed, the step
+    timing merged over every replica's steps (`merge_step_timing`) and each replica's own under
+    `per_replica`.
+
+    Why: with dp > 1 replica 0's figures alone read as the job's (half the steps at dp=2)."""
+    if len(runs) == 1:
+        return runs[0]
+    out: dict = {"data_parallel_size": len(runs),
+                 "aggregation": "counts summed over replicas; step_timing: step-weighted means over every "
+                                "replica's steps; each replica's own figures under per_replica"}
+    for key in SUMMED_ENGINE_KEYS:
+        out[key] = sum(run.get(key, 0) for run in runs)
+    out["async_scheduling"] = runs[0].get("async_scheduling")
+    out["step_timing"] = merge_step_timing([run.get("step_timing", {"steps": 0}) for run in runs])
+    out["per_replica"] = [{"replica": r, **run} for r, run in enumerate(runs)]
+    return out
+
+
+def merge_step_timing(summaries: list[dict]) -> dict:
+    """Several `StepTimer.summary()`s as one over all their steps: per step kind, the steps and launches
+    summed and the per-step means weighted by steps (exact for means; the p50 is not mergeable and is
+    left out); `decode_max_batch` merges only the replicas whose largest decode batch is the largest."""
+    out: dict = {"steps": sum(s.get("steps", 0) for s in summaries)}
+    kinds = [k for s in summaries for k in s if k != "steps"]
+    for kind in dict.fromkeys(kinds):
+        rows = [s[kind] for s in summaries if kind in s]
+        if kind == "decode_max_batch":
+            top = max(row["mean_seqs"] for row in rows)
+            rows = [row for row in rows if row["mean_seqs"] == top]
+        out[kind] = _merge_timing_rows(rows)
+    return out
+
+
+def _merge_timing_rows(rows: list[dict]) -> dict:
+    steps = sum(row["steps"] for row in rows)
+    merged: dict = {"steps": steps}
+    means = [k for row in rows for k in row if k.endswith("_ms") and k != "step_p50_ms"] + ["mean_seqs", "mean_tokens"]
+    for key in dict.fromkeys(means):
+        known = [row for row in rows if key in row]
+        weight = sum(row["steps"] for row in known)
+        if known and weight:
+            merged[key] = sum(row[key] * row["steps"] for row in known) / weight
+    step_total = sum(row["step_ms"] * row["steps"] for row in rows)
+    merged["host_plan_fraction"] = (sum(row["host_plan_ms"] * row["steps"] for row in rows) / step_total
+                                    if step_total > 0 else 0.0)
+    idle = [row for row in rows if "gpu_idle_ms" in row]
+    idle_step = sum(row["step_ms"] * row["steps"] for row in idle)
+    if idle and idle_step > 0:
+        merged["gpu_idle_fraction"] = sum(row["gpu_idle_ms"] * row["steps"] for row in idle) / idle_step
+    launches: dict[str, int] = {}
+    for row in rows:
+        for kind, n in row.get("launches", {}).items():
+            launches[kind] = launches.get(kind, 0) + n
+    if launches:
+        merged["launches"] = launches
+    return merged

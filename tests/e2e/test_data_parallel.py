@@ -89,3 +89,46 @@ def test_smollm2_three_replicas_match_one_process(smollm2_dir: Path, tmp_path: P
     counts = _replica_requests(tmp_path / "job")
     assert len(counts) == 3 and sum(counts) == len(questions)
 
+
+
+@pytest.mark.slow
+def test_two_replicas_metrics_total_every_replica(tiny_qwen3: Path, tmp_path: Path):
+    """metrics.json of a dp=2 bench job describes the whole job, not replica 0: engine steps summed over
+    the replicas (each one's kept), requests / tokens / busy time totalled as outputs.jsonl has them, and
+    the bench's tok/s is every output token over the wall time, per GPU that over the 2 ranks."""
+    prompts = write_prompts_file(tmp_path / "prompts.jsonl", PROMPTS[:1])  # unread: the bench makes its own
+    bench = ["workload=bench", "workload.num_seqs=10", "workload.min_input_len=4", "workload.max_input_len=24",
+             "workload.min_output_len=3", "workload.max_output_len=6", "workload.token_id_max=290",
+             "workload.warmup=false"]
+    args = tiny_args(tiny_qwen3, tmp_path / "job", prompts, max_num_seqs=1, data_parallel_size=2)
+    _run([*args, *bench], tmp_path, nproc=2)
+    rows = read_outputs(tmp_path / "job")
+    metrics = read_metrics(tmp_path / "job")
+    output_tokens = sum(len(r["token_ids"]) for r in rows)
+    assert len(rows) == metrics["num_requests"] == 10 and metrics["output_tokens"] == output_tokens
+    assert all(r["error"] is None for r in rows), rows
+    replicas = metrics["replicas"]
+    assert [r["replica"] for r in replicas] == [0, 1] and min(r["requests"] for r in replicas) > 0, replicas
+    assert sum(r["output_tokens"] for r in replicas) == output_tokens
+    assert metrics["busy_s"] == pytest.approx(sum(r["busy_s"] for r in replicas)) and metrics["busy_s"] > 0
+    engine = metrics["engine"]
+    per_replica = engine["per_replica"]
+    assert [r["replica"] for r in per_replica] == [0, 1]
+    for key in ("steps", "decode_steps", "preemptions", "cached_prompt_tokens"):
+        assert engine[key] == sum(r[key] for r in per_replica), key
+    assert [r["steps"] for r in replicas] == [r["steps"] for r in per_replica]
+    # one sequence at a time per replica: every output token took a step of its replica
+    for row, run in zip(replicas, per_replica):
+        assert run["steps"] >= row["output_tokens"] > 0, (row, run)
+    assert engine["steps"] >= output_tokens
+    assert engine["step_timing"]["steps"] == engine["steps"]
+    assert engine["step_timing"]["all"]["steps"] == engine["steps"]
+    assert all(run["kv_capacity"]["blocks"] == metrics["kv_capacity"]["blocks"] for run in per_replica)
+    report = metrics["bench"]
+    assert report["world_size"] == 2 and report["steps"] == engine["steps"]
+    assert report["output_tokens_per_s"] == pytest.approx(output_tokens / metrics["wall_time_s"])
+    assert report["output_tokens_per_s"] == pytest.approx(metrics["output_tokens_per_s"])
+    assert report["output_tokens_per_s_per_gpu"] == pytest.approx(report["output_tokens_per_s"] / 2)
+    assert metrics["output_tokens_per_s_per_gpu"] == pytest.approx(metrics["output_tokens_per_s"] / 2)
+    assert [r["replica"] for r in report["per_replica"]] == [0, 1]
+    assert report["min_decode_steps"] == max(len(r["token_ids"]) for r in rows) - 1

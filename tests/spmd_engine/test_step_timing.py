@@ -70,3 +70,36 @@ def test_mixed_and_pure_prefill_steps_apart_with_their_launch_kinds():
     assert s["prefill_or_mixed"]["steps"] == 3 and s["decode"]["launches"] == {"decode_graph": 1}
     with pytest.raises(ValueError, match="launch must be one of"):
         timer.add(1, 1, True, launch="graph", **phases())
+
+
+def test_replicas_step_timing_merges_to_the_timing_of_all_their_steps():
+    """metrics.json's engine.step_timing with dp > 1 (`merge_step_timing`): the same means as one timer
+    over every replica's steps; the largest decode batch only where a replica reached it."""
+    import random
+
+    from spmd_engine.job.metrics import merge_step_timing, replicas_engine
+
+    rng = random.Random(0)
+    timers, everything = [StepTimer(), StepTimer()], StepTimer()
+    for r, timer in enumerate(timers):
+        for i in range(7 + 5 * r):
+            decode = i % 3 != 0
+            seqs = rng.randint(1, 3 + r) if decode else 2
+            step = (seqs, rng.randint(1, 99), decode)
+            kw = dict(num_decode_seqs=rng.randint(0, 1) if not decode else seqs,
+                      launch=rng.choice(["eager", "decode_graph"]), **phases(**{p: rng.random() / 100 for p in PHASES}))
+            timer.add(*step, **kw)
+            everything.add(*step, **kw)
+    merged, whole = merge_step_timing([t.summary() for t in timers]), everything.summary()
+    assert merged["steps"] == whole["steps"] == 19
+    for kind in ("all", "decode", "prefill_or_mixed", "mixed", "prefill", "decode_max_batch"):
+        assert set(merged[kind]) == set(whole[kind]) - {"step_p50_ms"}, kind
+        for key, value in merged[kind].items():
+            assert value == pytest.approx(whole[kind][key]), (kind, key)
+    runs = [{"steps": len(t), "decode_steps": sum(t.is_decode), "preemptions": r, "cached_prompt_tokens": 3,
+             "async_scheduling": True, "step_timing": t.summary()} for r, t in enumerate(timers)]
+    engine = replicas_engine(runs)
+    assert (engine["steps"], engine["preemptions"], engine["cached_prompt_tokens"]) == (19, 1, 6)
+    assert engine["decode_steps"] == sum(everything.is_decode)
+    assert [r["replica"] for r in engine["per_replica"]] == [0, 1]
+    assert replicas_engine(runs[:1]) == runs[0]  # one replica: its figures as they are
