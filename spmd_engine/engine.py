@@ -287,8 +287,8 @@ def new_scheduler(cfg: EngineConfig, max_model_len: int, num_blocks: int, eos_to
 class _Generation:
     """Rank 0's state for one generate call: scheduler, plans, sampler and the outputs."""
 
-    def __init__(self, llm: Engine, requests: Iterable[PromptRequest] | PolledRequests, on_finish, decode, progress: bool,
-                 keep_outputs: bool = True) -> None:
+    def __init__(self, llm: Engine, requests: Iterable[PromptRequest] | PolledRequests, on_finish, decode,
+                 progress: bool, keep_outputs: bool = True) -> None:
         cfg = llm.cfg
         self.llm = llm
         self.on_finish = on_finish or (lambda out: None)

@@ -10,7 +10,7 @@ import copy
 import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 # What an error row echoes of its request: a 5 MB prompt that fails must not become a 15 MB row.
 ERROR_ECHO_CHARS = 200  # first characters of `prompt`; `prompt_chars` then holds the full length
@@ -108,23 +108,23 @@ class PolledRequests(Protocol):
     engine keeps stepping and polls again next step); the engine passes `wait=True` only when it has
     nothing running, and then the answer is a request or None (no more requests, ever)."""
 
-    def poll(self, wait: bool) -> "PromptRequest | None | Literal[NotYet.NOT_YET]": ...
+    def poll(self, wait: bool) -> PromptRequest | None | NotYet: ...
 
 
 @dataclass
 class IteratedRequests:
     """A plain iterable as a `PolledRequests`: always ready (a read may block), None at its end."""
 
-    requests: Iterable["PromptRequest"]
+    requests: Iterable[PromptRequest]
 
     def __post_init__(self) -> None:
         self._it = iter(self.requests)
 
-    def poll(self, wait: bool) -> "PromptRequest | None":
+    def poll(self, wait: bool) -> PromptRequest | None:
         return next(self._it, None)
 
 
-def polled(requests: Iterable["PromptRequest"] | PolledRequests) -> PolledRequests:
+def polled(requests: Iterable[PromptRequest] | PolledRequests) -> PolledRequests:
     """`requests` as the engine pulls them: a `PolledRequests` as is, any other iterable wrapped."""
     return requests if isinstance(requests, PolledRequests) else IteratedRequests(requests)
 

@@ -60,8 +60,8 @@ def test_a_chunk_published_late_does_not_stall_the_running_sequences(tmp_path):
     """Rank 0 publishes chunk 1 only once chunk 0's requests are finished (or after 10 s): the replica
     that claimed chunk 1 must keep stepping chunk 0's sequences meanwhile, not wait in its claim (the
     old blocking claim waited the whole 10 s, then ran everything), and the tokens stay the greedy ones."""
-    from tests.spmd_engine.test_engine import generate, make_llm
     from tests.helpers.tiny_checkpoints import make_tiny_checkpoint
+    from tests.spmd_engine.test_engine import generate, make_llm
 
     path = make_tiny_checkpoint(tmp_path / "ckpt", arch="qwen3", max_position_embeddings=128, tokenizer=False)
     prompts = [[5, 6, 7], [9] * 10 + [11], list(range(20, 45)), [40, 41, 42, 43]]
