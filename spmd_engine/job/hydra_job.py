@@ -344,6 +344,7 @@ def _job_stats(llm: LLM, cfg: EngineConfig, sink: _RowSink, dispatcher: Dispatch
     stats["replicas"] = replicas
     stats["kv_capacity"] = engine.kv_capacity.as_dict()
     stats["max_model_len"] = engine.max_model_len
+    stats["tp_allreduce"] = engine.tp_allreduce_info  # replica 0's: nccl | symm_mem | gloo | none, and why
     stats["engine"] = engine.last_run  # replica 0's steps, decode steps, preemptions, prefix-cache tokens, timing
     if cfg.workload.name == "bench":
         from spmd_engine.job.bench_report import bench_report

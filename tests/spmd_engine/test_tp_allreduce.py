@@ -1,0 +1,88 @@
+"""tp_allreduce on CPU: the choice made at start-up (gloo on CPU whatever `auto` finds, symm_mem refused on
+every rank alike), the buffer bound, and the layers summing through the injected reduce."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from spmd_engine.executor.tp_allreduce import (SYMM_MEM_MAX_BYTES, ProcessGroupAllReduce, TpAllReduceUnavailable,
+                                               TpGroup, make_tp_allreduce, symm_mem_buffer_bytes)
+from spmd_engine.models.parallel import TensorParallel
+from tests.helpers.spawned_ranks import run_on_ranks
+
+
+def test_buffer_holds_a_steps_largest_message_up_to_the_cap():
+    # Qwen3-8B decode at 256 sequences, float32 partials: 4 MiB, under the 8 MiB cap
+    assert symm_mem_buffer_bytes(256, 4096, 4) == 256 * 4096 * 4
+    # the default step budget (8192 tokens) would need 128 MiB: capped, larger messages go to NCCL
+    assert symm_mem_buffer_bytes(8192, 4096, 4) == SYMM_MEM_MAX_BYTES
+    assert symm_mem_buffer_bytes(3, 5, 2) == 32  # rounded up to the kernels' 16-byte vectors
+
+
+def test_one_rank_has_no_reduce():
+    assert make_tp_allreduce("symm_mem", torch.device("cpu"), TpGroup(None, 0, 1), 1024) is None
+
+
+def test_an_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match="tp_allreduce must be one of auto|nccl|symm_mem"):
+        make_tp_allreduce("custom", torch.device("cpu"), TpGroup(None, 0, 2), 1024)
+
+
+def choice_worker(rank: int, out: Path) -> None:
+    """Every mode on 2 gloo ranks: what each picks, and a sum through TensorParallel with the pick."""
+    tp_group = TpGroup(None, rank, 2)
+    results = {}
+    for mode in ("auto", "nccl"):
+        reducer = make_tp_allreduce(mode, torch.device("cpu"), tp_group, 1024)
+        tp = TensorParallel(rank, 2, None, reduce=reducer)
+        total = tp.all_reduce(torch.full((3, 4), float(rank + 1)))
+        results[mode] = (type(reducer).__name__, reducer.describe(), total)
+    try:
+        make_tp_allreduce("symm_mem", torch.device("cpu"), tp_group, 1024)
+        results["symm_mem"] = None
+    except TpAllReduceUnavailable as exc:
+        results["symm_mem"] = str(exc)
+    torch.save(results, out / f"rank{rank}.pt")
+
+
+def test_cpu_picks_gloo_and_refuses_symm_mem_on_every_rank(tmp_path):
+    run_on_ranks(choice_worker, (tmp_path,))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for results in ranks:
+        for mode in ("auto", "nccl"):
+            kind, info, total = results[mode]
+            assert kind == ProcessGroupAllReduce.__name__ and info["path"] == "gloo"
+            assert torch.equal(total, torch.full((3, 4), 3.0))
+        assert results["symm_mem"] == ("tp_allreduce=symm_mem is not available here: tp rank 0: device is cpu, "
+                                       "symmetric memory needs CUDA; use tp_allreduce=auto or nccl")
+
+
+class _Doubling:
+    """A stand-in reduce that returns a new tensor (as the symmetric-memory one does)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x * 2
+
+
+def test_row_parallel_and_embedding_use_the_injected_reduce_and_its_result():
+    from spmd_engine.models.layers.embedding import VocabParallelEmbedding
+    from spmd_engine.models.layers.linear import RowParallelLinear
+
+    reduce = _Doubling()
+    tp = TensorParallel(0, 2, None, torch.float32, reduce=reduce)
+    layer = RowParallelLinear(8, 4, tp)
+    torch.nn.init.ones_(layer.weight)
+    x = torch.ones(3, 4, dtype=torch.bfloat16)  # this rank's half of 8 input features
+    layer = layer.to(torch.bfloat16)
+    y = layer(x)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, torch.full((3, 4), 8.0, dtype=torch.bfloat16))
+    embedding = VocabParallelEmbedding(10, 4, tp)
+    torch.nn.init.ones_(embedding.weight)
+    assert torch.equal(embedding(torch.tensor([0, 1])), torch.full((2, 4), 2.0))
+    assert reduce.calls == 2
