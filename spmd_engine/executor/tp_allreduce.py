@@ -75,41 +75,54 @@ class SymmMemAllReduce:
     Returns a new tensor (the sum), never `x` itself: callers use the return value. Inside a CUDA
     graph capture the output is allocated from the graph's pool, as any other intermediate."""
 
-    def __init__(self, group: ProcessGroup, buffer: torch.Tensor, fallback: ProcessGroupAllReduce,
+    def __init__(self, group: ProcessGroup, buffer: torch.Tensor, handle: Any, fallback: ProcessGroupAllReduce,
                  one_shot_max_bytes: int, algo: str | None = None) -> None:
         self.group = group
         self.group_name = group.group_name
         self.world_size = group.size()
         self.buffer = buffer  # uint8 [max_bytes], symmetric over `group`
+        self.handle = handle  # the rendezvous' handle, kept as long as the buffer
         self.max_bytes = buffer.numel()
         self.fallback = fallback
         self.one_shot_max_bytes = one_shot_max_bytes
+        if algo not in (None, "one_shot", "two_shot"):
+            raise ValueError(f"algo must be one_shot, two_shot or None, got {algo!r}")
         self.algo = algo  # None: by size; "one_shot" / "two_shot": forced (the benchmark)
         ops = torch.ops.symm_mem
         self._copy_out = getattr(ops, "one_shot_all_reduce_copy_out", None)  # one kernel: copy + reduce
+        # torch's out-of-place two-shot kernel is built for 2, 4 and 8 ranks only
+        self._two_shot = getattr(ops, "two_shot_all_reduce_out", None) if self.world_size in (2, 4, 8) else None
         self.path = "symm_mem"
         self.reason = ""
         self.calls = {"one_shot": 0, "two_shot": 0, "fallback": 0}  # host calls (a graph counts once, at capture)
 
-    def takes(self, x: torch.Tensor) -> bool:
+    def kernel_for(self, x: torch.Tensor) -> str | None:
+        """one_shot | two_shot for a message symmetric memory takes, None for the fallback; the same
+        answer on every rank (dtype, shape and offsets are alike on all)."""
         nbytes = x.numel() * x.element_size()
-        return (x.is_cuda and x.dtype in SYMM_MEM_DTYPES and x.is_contiguous() and 0 < nbytes <= self.max_bytes
-                and nbytes % ALIGN_BYTES == 0)
+        if not (x.is_cuda and x.dtype in SYMM_MEM_DTYPES and x.is_contiguous() and 0 < nbytes <= self.max_bytes
+                and nbytes % ALIGN_BYTES == 0):
+            return None
+        if self.algo is not None:
+            return self.algo if self.algo == "one_shot" or self._two_shot is not None else None
+        if self.world_size == 2 or nbytes <= self.one_shot_max_bytes:
+            return "one_shot"
+        return "two_shot" if self._two_shot is not None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.takes(x):
+        kernel = self.kernel_for(x)
+        if kernel is None:
             self.calls["fallback"] += 1
             return self.fallback(x)
+        self.calls[kernel] += 1
         nbytes = x.numel() * x.element_size()
         symm = self.buffer[:nbytes].view(x.dtype).view(x.shape)
         out = torch.empty_like(x)
-        algo = self.algo or ("one_shot" if self.world_size == 2 or nbytes <= self.one_shot_max_bytes
-                             else "two_shot")
-        self.calls[algo] += 1
-        if algo == "two_shot":
-            symm.copy_(x)
-            return torch.ops.symm_mem.two_shot_all_reduce_out(symm, "sum", self.group_name, out)
+        if kernel == "two_shot":
+            symm.copy_(x)  # the kernel reduces in the buffers (and leaves the sum there), then writes `out`
+            return self._two_shot(symm, "sum", self.group_name, out)
         if self._copy_out is not None and (x.storage_offset() * x.element_size()) % ALIGN_BYTES == 0:
+            # copies x into this rank's buffer inside the kernel; needs x as aligned as the buffer
             return self._copy_out(symm, x, "sum", self.group_name, out)
         symm.copy_(x)
         return torch.ops.symm_mem.one_shot_all_reduce_out(symm, "sum", self.group_name, out)
@@ -119,7 +132,8 @@ class SymmMemAllReduce:
                 "backend": _symm_backend(self.buffer.device)}
 
     def close(self) -> None:
-        self.buffer = torch.empty(0, dtype=torch.uint8)  # the symmetric allocation goes with its last reference
+        self.handle = None  # the symmetric allocation goes with its last reference
+        self.buffer = torch.empty(0, dtype=torch.uint8)
 
 
 def _symm_backend(device: torch.device) -> str | None:
@@ -162,9 +176,8 @@ def _local_symm_mem_problem(device: torch.device) -> str | None:
     except ImportError as exc:
         return f"torch.distributed._symmetric_memory cannot be imported ({exc})"
     ops = torch.ops.symm_mem
-    for name in ("one_shot_all_reduce_out", "two_shot_all_reduce_out"):
-        if not hasattr(ops, name):
-            return f"this torch ({torch.__version__}) has no torch.ops.symm_mem.{name}"
+    if not hasattr(ops, "one_shot_all_reduce_out"):
+        return f"this torch ({torch.__version__}) has no torch.ops.symm_mem.one_shot_all_reduce_out"
     return None
 
 
@@ -192,8 +205,8 @@ def _first_problem(problem: str | None, tp: TpGroup) -> str | None:
     return None
 
 
-def _rendezvous(nbytes: int, device: torch.device, group: ProcessGroup) -> torch.Tensor:
-    """Allocate `nbytes` of symmetric memory and map it over `group` (collective)."""
+def _rendezvous(nbytes: int, device: torch.device, group: ProcessGroup) -> tuple[torch.Tensor, Any]:
+    """Allocate `nbytes` of symmetric memory and map it over `group` (collective): (buffer, handle)."""
     import torch.distributed._symmetric_memory as symm_mem
 
     enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
@@ -210,7 +223,7 @@ def _rendezvous(nbytes: int, device: torch.device, group: ProcessGroup) -> torch
     if handle is None:
         raise RuntimeError("rendezvous returned no handle")
     torch.cuda.synchronize(device)
-    return buffer
+    return buffer, handle
 
 
 def make_tp_allreduce(mode: str, device: torch.device, tp: TpGroup, buffer_bytes: int,
@@ -239,13 +252,14 @@ def make_tp_allreduce(mode: str, device: torch.device, tp: TpGroup, buffer_bytes
         dist.all_gather_object(gathered, (socket.gethostname(), device.index), group=tp.group)
         problem = _peer_problem(device, gathered)
     problem = _first_problem(problem, tp)
-    buffer = None
+    buffer = handle = None
     if problem is None:
         try:
-            buffer = _rendezvous(buffer_bytes, device, tp.process_group)
+            buffer, handle = _rendezvous(buffer_bytes, device, tp.process_group)
         except Exception as exc:  # noqa: BLE001 - any failure here means: not on this machine
-            problem = f"symmetric-memory rendezvous failed: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}"
-            buffer = None
+            text = str(exc).strip()
+            problem = f"symmetric-memory rendezvous failed: {text.splitlines()[0] if text else type(exc).__name__}"
+            buffer = handle = None
         problem = _first_problem(problem, tp)  # one rank failing means nobody uses it
     if problem is not None:
         if mode == "symm_mem":
@@ -254,6 +268,6 @@ def make_tp_allreduce(mode: str, device: torch.device, tp: TpGroup, buffer_bytes
         fallback.reason = f"symm_mem unavailable: {problem}"
         return fallback
     wide = ONE_SHOT_MAX_BYTES_WIDE if one_shot_max_bytes is None else one_shot_max_bytes
-    reducer = SymmMemAllReduce(tp.process_group, buffer, fallback, wide)
+    reducer = SymmMemAllReduce(tp.process_group, buffer, handle, fallback, wide)
     reducer.reason = f"tp_allreduce={mode}"
     return reducer
