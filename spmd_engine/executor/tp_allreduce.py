@@ -98,16 +98,11 @@ class SymmMemAllReduce:
 
     def kernel_for(self, x: torch.Tensor) -> str | None:
         """one_shot | two_shot for a message symmetric memory takes, None for the fallback; the same
-        answer on every rank (dtype, shape and offsets are alike on all)."""
-        nbytes = x.numel() * x.element_size()
-        if not (x.is_cuda and x.dtype in SYMM_MEM_DTYPES and x.is_contiguous() and 0 < nbytes <= self.max_bytes
-                and nbytes % ALIGN_BYTES == 0):
+        answer on every rank (dtype, shape and layout are alike on all)."""
+        if not (x.is_cuda and x.is_contiguous()):
             return None
-        if self.algo is not None:
-            return self.algo if self.algo == "one_shot" or self._two_shot is not None else None
-        if self.world_size == 2 or nbytes <= self.one_shot_max_bytes:
-            return "one_shot"
-        return "two_shot" if self._two_shot is not None else None
+        return symm_mem_kernel(x.numel() * x.element_size(), x.dtype, self.world_size, self.max_bytes,
+                               self.one_shot_max_bytes, self._two_shot is not None, self.algo)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         kernel = self.kernel_for(x)
@@ -134,6 +129,23 @@ class SymmMemAllReduce:
     def close(self) -> None:
         self.handle = None  # the symmetric allocation goes with its last reference
         self.buffer = torch.empty(0, dtype=torch.uint8)
+
+
+def symm_mem_kernel(nbytes: int, dtype: torch.dtype, world_size: int, max_bytes: int, one_shot_max_bytes: int,
+                    has_two_shot: bool, algo: str | None = None) -> str | None:
+    """The symmetric-memory kernel for a contiguous CUDA message of `nbytes` (None: the fallback).
+
+    torch's kernels take float32 and bf16 whose size is a multiple of 4 bytes (16 here: full vectors);
+    the message must fit the buffer. One-shot at 2 ranks (it reads the peer's message once, as a two-shot
+    would, and syncs once instead of twice) and up to `one_shot_max_bytes` above; two-shot beyond, where
+    torch builds it (2, 4, 8 ranks); `algo` forces one of them (the benchmark)."""
+    if dtype not in SYMM_MEM_DTYPES or not 0 < nbytes <= max_bytes or nbytes % ALIGN_BYTES:
+        return None
+    if algo is not None:
+        return algo if algo == "one_shot" or has_two_shot else None
+    if world_size == 2 or nbytes <= one_shot_max_bytes:
+        return "one_shot"
+    return "two_shot" if has_two_shot else None
 
 
 def _symm_backend(device: torch.device) -> str | None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from spmd_engine.executor.tp_allreduce import (SYMM_MEM_MAX_BYTES, ProcessGroupAllReduce, TpAllReduceUnavailable,
-                                               TpGroup, make_tp_allreduce, symm_mem_buffer_bytes)
+                                               TpGroup, make_tp_allreduce, symm_mem_buffer_bytes, symm_mem_kernel)
 from spmd_engine.models.parallel import TensorParallel
 from tests.helpers.spawned_ranks import run_on_ranks
 
@@ -19,6 +19,23 @@ def test_buffer_holds_a_steps_largest_message_up_to_the_cap():
     # the default step budget (8192 tokens) would need 128 MiB: capped, larger messages go to NCCL
     assert symm_mem_buffer_bytes(8192, 4096, 4) == SYMM_MEM_MAX_BYTES
     assert symm_mem_buffer_bytes(3, 5, 2) == 32  # rounded up to the kernels' 16-byte vectors
+
+
+@pytest.mark.parametrize("nbytes,dtype,world,two_shot,algo,kernel", [
+    (4096 * 4, torch.float32, 2, True, None, "one_shot"),  # decode batch 1, float32 partials
+    (256 * 4096 * 4, torch.float32, 2, True, None, "one_shot"),  # 4 MiB at 2 ranks: still one-shot
+    (256 * 4096 * 4, torch.bfloat16, 4, True, None, "two_shot"),  # above ONE_SHOT_MAX_BYTES_WIDE at 4 ranks
+    (256 * 4096 * 4, torch.float32, 6, False, None, None),  # no two-shot kernel for 6 ranks: NCCL
+    (64 * 1024, torch.float32, 6, False, None, "one_shot"),
+    (4096 * 2, torch.float16, 2, True, None, None),  # torch's kernels take float32 and bf16 only
+    ((8 << 20) + 16, torch.float32, 2, True, None, None),  # past the buffer
+    (4104, torch.float32, 2, True, None, None),  # not whole 16-byte vectors
+    (0, torch.float32, 2, True, None, None),
+    (4096, torch.float32, 2, True, "two_shot", "two_shot"),  # forced (the benchmark)
+    (4096, torch.float32, 6, False, "two_shot", None),
+])
+def test_kernel_choice_depends_only_on_what_every_rank_shares(nbytes, dtype, world, two_shot, algo, kernel):
+    assert symm_mem_kernel(nbytes, dtype, world, 8 << 20, 512 << 10, two_shot, algo) == kernel
 
 
 def test_one_rank_has_no_reduce():
