@@ -141,7 +141,11 @@ def machine_info(device: torch.device, world: int) -> list[str]:
              f"{world} ranks, device {device.type}"]
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        nccl = ".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else "?"
+        try:
+            import torch.cuda.nccl as nccl_module
+            nccl = ".".join(map(str, nccl_module.version()))
+        except Exception:  # noqa: BLE001 - a label only
+            nccl = "?"
         peers = [j for j in range(torch.cuda.device_count()) if j != device.index
                  and torch.cuda.can_device_access_peer(device.index, j)]
         lines.append(f"GPU {props.name} ({props.total_memory / 2**30:.0f} GiB, sm_{props.major}{props.minor}), "

@@ -199,11 +199,18 @@ def _peer_problem(device: torch.device, peers: list[tuple[str, int]]) -> str | N
     if len(hosts) > 1:
         return f"the tensor-parallel ranks are on {len(hosts)} hosts ({', '.join(sorted(hosts))})"
     mine = device.index if device.index is not None else torch.cuda.current_device()
-    for _, other in peers:
-        if other != mine and not torch.cuda.can_device_access_peer(mine, other):
-            return f"GPU {mine} cannot access GPU {other} (no P2P)"
     if len({index for _, index in peers}) < len(peers):
         return "two tensor-parallel ranks see the same GPU index (one GPU per process, e.g. CUDA_VISIBLE_DEVICES)"
+    for _, other in peers:
+        if other == mine:
+            continue
+        if other is None or not 0 <= other < torch.cuda.device_count():
+            return f"GPU {other} of a peer is not visible here"
+        try:
+            if not torch.cuda.can_device_access_peer(mine, other):
+                return f"GPU {mine} cannot access GPU {other} (no P2P)"
+        except (RuntimeError, AssertionError) as exc:  # a raise here would leave the peers waiting
+            return f"GPU {mine} -> GPU {other}: {exc}"
     return None
 
 
@@ -259,9 +266,10 @@ def make_tp_allreduce(mode: str, device: torch.device, tp: TpGroup, buffer_bytes
         fallback.reason = "CPU"
         return fallback
     problem = _local_symm_mem_problem(device)
+    # every rank makes the same collectives in the same order, whatever it found so far
+    gathered: list[tuple[str, int | None] | None] = [None] * tp.size
+    dist.all_gather_object(gathered, (socket.gethostname(), device.index), group=tp.group)
     if problem is None:
-        gathered: list[tuple[str, int] | None] = [None] * tp.size
-        dist.all_gather_object(gathered, (socket.gethostname(), device.index), group=tp.group)
         problem = _peer_problem(device, gathered)
     problem = _first_problem(problem, tp)
     buffer = handle = None

@@ -103,3 +103,36 @@ def test_row_parallel_and_embedding_use_the_injected_reduce_and_its_result():
     torch.nn.init.ones_(embedding.weight)
     assert torch.equal(embedding(torch.tensor([0, 1])), torch.full((2, 4), 2.0))
     assert reduce.calls == 2
+
+
+def disagreeing_worker(rank: int, out: Path) -> None:
+    """Ranks that find different things (one lacks symmetric memory; then one fails its rendezvous) still
+    make the same collectives and end with the same answer, instead of one waiting in a rendezvous."""
+    import spmd_engine.executor.tp_allreduce as mod
+
+    def rendezvous(nbytes, device, group):
+        if rank == 1:
+            raise RuntimeError("boom\nsecond line")
+        return torch.zeros(nbytes, dtype=torch.uint8), object()
+
+    mod._peer_problem = lambda device, peers: None  # CPU ranks: pretend the GPUs see each other
+    mod._rendezvous = rendezvous
+    answers = []
+    for local in ({0: None, 1: "no symmetric memory in this build"}, {0: None, 1: None}):
+        mod._local_symm_mem_problem = lambda device, local=local: local[rank]
+        try:
+            make_tp_allreduce("symm_mem", torch.device("cpu"), TpGroup(None, rank, 2), 1024)
+            answers.append(None)
+        except TpAllReduceUnavailable as exc:
+            answers.append(str(exc))
+    torch.save(answers, out / f"rank{rank}.pt")
+
+
+def test_ranks_that_find_different_things_agree_on_one_answer(tmp_path):
+    run_on_ranks(disagreeing_worker, (tmp_path,), timeout_s=60)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert ranks[0] == ranks[1] == [
+        "tp_allreduce=symm_mem is not available here: tp rank 1: no symmetric memory in this build; "
+        "use tp_allreduce=auto or nccl",
+        "tp_allreduce=symm_mem is not available here: tp rank 1: symmetric-memory rendezvous failed: boom; "
+        "use tp_allreduce=auto or nccl"]
