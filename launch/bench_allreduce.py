@@ -29,9 +29,15 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing it
 
-from spmd_engine.distributed import discover_ranks, init_process_group  # noqa: E402
-from spmd_engine.executor.tp_allreduce import (ProcessGroupAllReduce, SymmMemAllReduce, TpAllReduceUnavailable,  # noqa: E402
-                                               TpGroup, make_tp_allreduce, symm_mem_buffer_bytes)
+from spmd_engine.distributed import discover_ranks, init_process_group
+from spmd_engine.executor.tp_allreduce import (
+    ProcessGroupAllReduce,
+    SymmMemAllReduce,
+    TpAllReduceUnavailable,
+    TpGroup,
+    make_tp_allreduce,
+    symm_mem_buffer_bytes,
+)
 
 QWEN3_8B_HIDDEN = 4096
 DECODE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -137,8 +143,8 @@ def exact(nccl: ProcessGroupAllReduce, symm: SymmMemAllReduce, shape: tuple[int,
 
 
 def machine_info(device: torch.device, world: int) -> list[str]:
-    lines = [f"host {platform.node()}, python {platform.python_version()}, torch {torch.__version__}, "
-             f"{world} ranks, device {device.type}"]
+    lines = [(f"host {platform.node()}, python {platform.python_version()}, torch {torch.__version__}, "
+              f"{world} ranks, device {device.type}")]
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         try:

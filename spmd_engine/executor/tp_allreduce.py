@@ -184,7 +184,7 @@ def _local_symm_mem_problem(device: torch.device) -> str | None:
     if device.type != "cuda":
         return f"device is {device.type}, symmetric memory needs CUDA"
     try:
-        import torch.distributed._symmetric_memory  # noqa: F401
+        import torch.distributed._symmetric_memory
     except ImportError as exc:
         return f"torch.distributed._symmetric_memory cannot be imported ({exc})"
     ops = torch.ops.symm_mem
@@ -229,13 +229,13 @@ def _rendezvous(nbytes: int, device: torch.device, group: ProcessGroup) -> tuple
     import torch.distributed._symmetric_memory as symm_mem
 
     enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-    if enable is not None and getattr(enable, "__deprecated__", None) is None:
-        # torch <= 2.8 needs the group's store registered first; later torch marks it deprecated (and
-        # registering it there turns on a store round trip per op to validate the allocation)
-        if not symm_mem.is_symm_mem_enabled_for_group(group.group_name):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)
-                enable(group.group_name)
+    # older torch needs the group's store registered first; later torch marks that deprecated (and there,
+    # registering it turns on a store round trip per op to validate the allocation)
+    if (enable is not None and getattr(enable, "__deprecated__", None) is None
+            and not symm_mem.is_symm_mem_enabled_for_group(group.group_name)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            enable(group.group_name)
     buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
     buffer.zero_()
     handle = symm_mem.rendezvous(buffer, group)

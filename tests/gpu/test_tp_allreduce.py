@@ -17,7 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from spmd_engine.executor.tp_allreduce import SymmMemAllReduce, TpGroup, make_tp_allreduce
+from spmd_engine.executor.tp_allreduce import (
+    SymmMemAllReduce,
+    TpGroup,
+    make_tp_allreduce,
+)
 from tests.gpu.engine_setup import GPU, PROMPTS, tiny_bf16_checkpoint
 from tests.helpers.spawned_ranks import run_on_ranks
 

@@ -6,10 +6,17 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from spmd_engine.executor.tp_allreduce import (SYMM_MEM_MAX_BYTES, ProcessGroupAllReduce, TpAllReduceUnavailable,
-                                               TpGroup, make_tp_allreduce, symm_mem_buffer_bytes, symm_mem_kernel)
 from spmd_engine.models.parallel import TensorParallel
+
+from spmd_engine.executor.tp_allreduce import (
+    SYMM_MEM_MAX_BYTES,
+    ProcessGroupAllReduce,
+    TpAllReduceUnavailable,
+    TpGroup,
+    make_tp_allreduce,
+    symm_mem_buffer_bytes,
+    symm_mem_kernel,
+)
 from tests.helpers.spawned_ranks import run_on_ranks
 
 
@@ -131,8 +138,6 @@ def disagreeing_worker(rank: int, out: Path) -> None:
 def test_ranks_that_find_different_things_agree_on_one_answer(tmp_path):
     run_on_ranks(disagreeing_worker, (tmp_path,), timeout_s=60)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-    assert ranks[0] == ranks[1] == [
-        "tp_allreduce=symm_mem is not available here: tp rank 1: no symmetric memory in this build; "
-        "use tp_allreduce=auto or nccl",
-        "tp_allreduce=symm_mem is not available here: tp rank 1: symmetric-memory rendezvous failed: boom; "
-        "use tp_allreduce=auto or nccl"]
+    refused = "tp_allreduce=symm_mem is not available here: tp rank 1: {}; use tp_allreduce=auto or nccl"
+    assert ranks[0] == ranks[1] == [refused.format("no symmetric memory in this build"),
+                                    refused.format("symmetric-memory rendezvous failed: boom")]
