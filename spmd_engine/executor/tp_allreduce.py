@@ -19,6 +19,11 @@ Rules that keep the ranks in step and the sums exact:
   bit for bit;
 - what symm_mem cannot take (float16, a message above the buffer, a size not a multiple of 16 bytes,
   a non-contiguous tensor) goes to the process group (NCCL) unchanged.
+
+Op schemas as torch defines them (torch/csrc/distributed/c10d/symm_mem/SymmetricMemory.cpp; kernels in
+CUDASymmetricMemoryOps.cu, float32/bf16 only): one_shot_all_reduce_copy_out(symm_buffer, local_input,
+reduce_op, group_name, out), one_shot_all_reduce_out(input, reduce_op, group_name, out),
+two_shot_all_reduce_out(input, reduce_op, group_name, output) (2, 4, 8 ranks).
 """
 from __future__ import annotations
 
