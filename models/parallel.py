@@ -5,7 +5,8 @@ layer code runs unsharded (world size 1: no collectives at all) or sharded over 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -19,12 +20,17 @@ class TensorParallel:
     `reduce_dtype`: the dtype in which row-parallel layers sum their partial products. None sums
     in the activation dtype; float32 rounds a bf16/fp16 result once, after the sum, as one rank
     does, instead of once per rank and again after the sum (see RowParallelLinear).
+
+    `reduce`: the engine's all-reduce for this group (spmd_engine/executor/tp_allreduce.py: NCCL or
+    symmetric memory, chosen at start-up); None: `dist.all_reduce` over `group`. Injected, so the
+    layers keep one call site whatever sums their partials.
     """
 
     rank: int
     world_size: int
     group: ProcessGroup | None = None
     reduce_dtype: torch.dtype | None = None
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -46,9 +52,13 @@ class TensorParallel:
         return self.rank == 0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum `x` over the group, in place; returns `x`."""
-        if self.world_size > 1:
-            dist.all_reduce(x, group=self.group)
+        """Sum `x` over the group; returns the sum: `x` summed in place, or a new tensor (symmetric
+        memory), so callers use the return value."""
+        if self.world_size == 1:
+            return x
+        if self.reduce is not None:
+            return self.reduce(x)
+        dist.all_reduce(x, group=self.group)
         return x
 
     def gather_to_first(self, x: torch.Tensor, dim: int) -> torch.Tensor | None:

@@ -66,6 +66,9 @@ class EngineConfig:
     # float32 | model: dtype of the row-parallel all-reduce sums; bf16 partial sums rounded on every rank make
     # N ranks pick other greedy tokens than one rank, float32 rounds once (2x the all-reduce bytes)
     tp_reduce_dtype: str = "float32"
+    # auto | nccl | symm_mem: how those all-reduces run; symm_mem = torch symmetric memory one-shot kernels
+    # (small messages, CUDA graphs; NCCL above its buffer), auto = symm_mem where the GPUs can map each other
+    tp_allreduce: str = "nccl"  # auto (symm_mem where it runs) becomes the default once measured on 2 GPUs
     # CUDA matmuls of <= 16 rows (small-batch decode) and the LM head by a Triton split-K GEMV reading the
     # weights near bandwidth; false: cuBLAS for every size
     small_batch_gemv: bool = True
@@ -102,6 +105,8 @@ class EngineConfig:
                f"kv_cache_dtype must be one of auto|fp8, got {self.kv_cache_dtype!r}")
         _check(self.tp_reduce_dtype in ("float32", "model"),
                f"tp_reduce_dtype must be one of float32|model, got {self.tp_reduce_dtype!r}")
+        _check(self.tp_allreduce in ("auto", "nccl", "symm_mem"),
+               f"tp_allreduce must be one of auto|nccl|symm_mem, got {self.tp_allreduce!r}")
         _check(self.model.load_format in ("auto", "dummy"),
                f"model.load_format must be auto or dummy, got {self.model.load_format!r}")
         self.parallel_sizes(world_size)

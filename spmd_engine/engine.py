@@ -39,6 +39,8 @@ from spmd_engine.executor.model_runner import ModelRunner, RunnerSettings, Stage
 from spmd_engine.executor.model_source import ModelSource, resolve_model_source
 from spmd_engine.executor.sampler import Sampler, SamplingRow, request_seed
 from spmd_engine.executor.token_readback import TokenReadback
+from spmd_engine.executor.tp_allreduce import (ProcessGroupAllReduce, SymmMemAllReduce, TpAllReduceUnavailable,
+                                               TpGroup, make_tp_allreduce, symm_mem_buffer_bytes)
 from spmd_engine.faults.injection import FaultInjector
 from spmd_engine.faults.preflight import check_checkpoint_files
 from spmd_engine.faults.progress import StepProgress
@@ -150,7 +152,34 @@ class Engine:
         backend = agreed(lambda: resolve_backend(cfg.attention_backend, self.device, cfg.block_size,
                                                  self.shape.head_dim))
         agreed(self._check_planned_kv_capacity)  # before the weights load: a too-small pool fails fast
+        # collective over the replica's group; tp_allreduce=symm_mem that cannot run fails every rank alike
+        self.tp_allreduce = agreed(self._make_tp_allreduce)
         return backend
+
+    def _make_tp_allreduce(self) -> ProcessGroupAllReduce | SymmMemAllReduce | None:
+        """The replica's all-reduce (None with one rank per replica), sized for a step's largest message."""
+        cfg, replica, shape = self.cfg, self.replica, self.shape
+        reduce_itemsize = max(4 if cfg.tp_reduce_dtype == "float32" else 0, self.dtype.itemsize)
+        nbytes = symm_mem_buffer_bytes(cfg.max_num_batched_tokens, shape.hidden_size, reduce_itemsize)
+        try:
+            reducer = make_tp_allreduce(cfg.tp_allreduce, self.device,
+                                        TpGroup(replica.group, replica.tp_rank, replica.tp_size), nbytes)
+        except TpAllReduceUnavailable as exc:
+            raise ConfigError(str(exc)) from None
+        if reducer is not None:
+            info = reducer.describe()
+            log.info("tensor-parallel all-reduce: %s (%s)%s", info["path"], reducer.reason,
+                     f", symmetric buffer {info['buffer_bytes']} bytes (larger messages over NCCL)"
+                     if info["path"] == "symm_mem" else "")
+        return reducer
+
+    @property
+    def tp_allreduce_info(self) -> dict[str, Any]:
+        """metrics.json's `tp_allreduce`: the path this replica's all-reduces take, and why."""
+        info = {"requested": self.cfg.tp_allreduce}
+        if self.tp_allreduce is None:
+            return {**info, "path": "none", "reason": "one rank per replica: no all-reduce"}
+        return {**info, **self.tp_allreduce.describe(), "reason": self.tp_allreduce.reason}
 
     def _load_model(self, backend: str) -> torch.nn.Module:
         """Build this rank's shard of the model in the engine's dtype and device, then load its weights."""
@@ -162,7 +191,7 @@ class Engine:
         cfg, ranks = self.cfg, self.ranks
         replica = self.replica
         tp = (TensorParallel(replica.tp_rank, replica.tp_size, replica.group,
-                             torch.float32 if cfg.tp_reduce_dtype == "float32" else None)
+                             torch.float32 if cfg.tp_reduce_dtype == "float32" else None, reduce=self.tp_allreduce)
               if replica.tp_size > 1 else TensorParallel.single())
         started = time.perf_counter()
         previous_dtype = torch.get_default_dtype()
@@ -273,7 +302,9 @@ class Engine:
 
     def close(self) -> None:
         gc.unfreeze()  # the model holds reference cycles (parameters' weight loaders): let them go
-        self.runner.close()
+        self.runner.close()  # the graphs that replay the symmetric-memory kernels go first
+        if self.tp_allreduce is not None:
+            self.tp_allreduce.close()
         del self.model
 
 

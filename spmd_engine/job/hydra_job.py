@@ -365,6 +365,7 @@ def _job_stats(llm: LLM, cfg: EngineConfig, sink: _RowSink, dispatcher: Dispatch
     # steps, decode steps, preemptions, prefix-cache tokens, step timing: the one replica's, or summed / merged
     # over the replicas with each one's own in engine.per_replica
     stats["engine"] = replicas_engine(runs)
+    stats["tp_allreduce"] = engine.tp_allreduce_info  # replica 0's: nccl | symm_mem | gloo | none, and why
     if cfg.workload.name == "bench":
         from spmd_engine.job.bench_report import bench_report, bench_work
         works = [bench_work(engine, outputs)] + [report["bench"] for _, report in reports]

@@ -88,6 +88,7 @@ def test_two_ranks_match_one_rank_under_caching_chunking_and_preemption(case, tw
     assert steps - decode_steps >= sum(map(len, TOKEN_PROMPTS)) // STRESS["max_num_batched_tokens"]  # chunked
     metrics = read_metrics(cwd / f"job-{case}")
     assert metrics["world_size"] == 2 and metrics["cached_prompt_tokens"] > 0
+    assert metrics["tp_allreduce"] == {"requested": "nccl", "path": "gloo", "reason": "tp_allreduce=nccl"}  # CPU: gloo
     assert_only_rank0_wrote(cwd, {"prompts.jsonl", *(f"job-{c}" for c in TWO_RANK_CASES)})
 
 

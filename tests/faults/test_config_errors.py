@@ -42,6 +42,8 @@ def test_config_errors_are_agreed_by_every_rank(fault_ckpt: Path, tmp_path: Path
                                       None, ["data_parallel_size=2 x tensor_parallel_size=2 = 4", "ranks (2)"]),
         "replica-tp-vs-heads": ([f"model.path={three_heads}", "data_parallel_size=1"], None,
                                 ["tensor_parallel_size=2", "num_attention_heads=3"]),
+        "symm-mem-all-reduce-on-cpu": ([f"model.path={fault_ckpt}", "tp_allreduce=symm_mem"], None,
+                                       ["tp_allreduce=symm_mem is not available", "device is cpu"]),
     }
     launches = {}
     for name, (overrides, env, _) in cases.items():

@@ -22,6 +22,7 @@ def base(**over):
     ("data_parallel_size", 2, "data_parallel_size=2 must divide the number of ranks (1)"),
     ("data_parallel_size", 0, "data_parallel_size must be >= 1 or null, got 0"),
     ("tp_reduce_dtype", "bfloat16", "tp_reduce_dtype must be one of float32|model, got 'bfloat16'"),
+    ("tp_allreduce", "custom_ar", "tp_allreduce must be one of auto|nccl|symm_mem, got 'custom_ar'"),
 ])
 def test_bad_engine_keys_name_the_key_and_limit(key, value, needle):
     cfg = engine_config_from_dict(base(**{key: value}))
@@ -158,6 +159,18 @@ def test_tp_reduce_dtype_defaults_to_float32_in_code_and_the_composed_config():
 
     assert engine_config_from_dict(base()).tp_reduce_dtype == "float32"
     assert compose_config("smollm2", {})["tp_reduce_dtype"] == "float32"
+
+
+@pytest.mark.parametrize("value", ["auto", "nccl", "symm_mem"])
+def test_tp_allreduce_accepts_its_three_paths(value):
+    engine_config_from_dict(base(tp_allreduce=value)).validate(2)
+
+
+def test_tp_allreduce_defaults_to_nccl_in_code_and_the_composed_config():
+    from spmd_engine.llm import compose_config
+
+    assert engine_config_from_dict(base()).tp_allreduce == "nccl"
+    assert compose_config("smollm2", {})["tp_allreduce"] == "nccl"
 
 
 def test_a_number_where_text_is_wanted_is_text():
