@@ -21,7 +21,7 @@ import triton.language as tl
 
 from spmd_engine.kernels.attention_support import check_attention_inputs, dot_precision, supports_shape
 from spmd_engine.kernels.kv_quant import check_kv_scales
-from spmd_engine.kernels.paged_kv_tile import paged_tile_offsets
+from spmd_engine.kernels.paged_kv_tile import fp8_dot_in_f16, fp8_dot_operand, paged_tile_offsets
 
 _LOG2_E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 128  # below this a split's launch/merge cost outweighs the extra parallelism
@@ -72,6 +72,7 @@ def _decode_split_kernel(
     num_q_heads,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+    DOT_F16: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -92,6 +93,8 @@ def _decode_split_kernel(
         query + seq.to(tl.int64) * stride_q_seq + heads[:, None] * stride_q_head + dims[None, :],
         mask=row_valid[:, None], other=0.0,
     )
+    if DOT_F16:
+        q = fp8_dot_operand(q)
     block_table_row = block_tables + seq.to(tl.int64) * stride_table
     kv_head_offset = kv_head.to(tl.int64) * stride_cache_head
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -107,7 +110,7 @@ def _decode_split_kernel(
         offsets = rows[:, None] + kv_head_offset + dims[None, :]
         k = tl.load(k_cache + offsets, mask=valid[:, None], other=0.0)
         v = tl.load(v_cache + offsets, mask=valid[:, None], other=0.0)
-        if KV_FP8:
+        if KV_FP8 and not DOT_F16:  # float32 model: upcast exactly, dot in float32
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
@@ -208,7 +211,7 @@ def paged_decode_attention(
         num_q_heads,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim, BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits,
-        DOT_PRECISION=dot_precision(query.dtype), KV_FP8=kv_fp8,
+        DOT_PRECISION=dot_precision(query.dtype), KV_FP8=kv_fp8, DOT_F16=fp8_dot_in_f16(kv_fp8, query.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:

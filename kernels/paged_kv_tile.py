@@ -1,4 +1,5 @@
-"""Address a tile of BLOCK_N consecutive KV positions of one sequence through its block table.
+"""Address a tile of BLOCK_N consecutive KV positions of one sequence through its block table (and the
+float16 operand of the fp8-cache dots).
 
 Shared by the prefill and decode kernels. When a KV block holds at least a whole tile (tiles are
 BLOCK_N-aligned), one scalar block-id load serves the tile; smaller blocks gather an id per row.
@@ -28,3 +29,22 @@ def paged_tile_offsets(
     else:
         block_ids = tl.load(block_table_row + positions // BLOCK_SIZE, mask=valid, other=0)
         return block_ids.to(tl.int64) * stride_block + slots
+
+
+FP16_MAX = tl.constexpr(65504.0)
+
+
+def fp8_dot_in_f16(kv_fp8: bool, dtype) -> bool:
+    """A float8 cache under a 16-bit model: attend in float16 (e4m3 -> f16 is one hardware convert per
+    two values and exact; the e4m3 -> f32 -> bf16 route costs three and made the fp8 decode no faster
+    than bf16). float16 also keeps more of q's bits than bfloat16. A float32 model stays in float32."""
+    import torch
+
+    return kv_fp8 and dtype != torch.float32
+
+
+@triton.jit
+def fp8_dot_operand(q):
+    """q as the float16 operand of the fp8-cache dots (clamped: a bf16 value past float16's range would
+    become inf and the softmax NaN)."""
+    return tl.minimum(tl.maximum(q.to(tl.float32), -FP16_MAX), FP16_MAX).to(tl.float16)

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from spmd_engine.kernels.attention_support import check_attention_inputs, dot_precision, supports_shape
 from spmd_engine.kernels.kv_quant import check_kv_scales
-from spmd_engine.kernels.paged_kv_tile import paged_tile_offsets
+from spmd_engine.kernels.paged_kv_tile import fp8_dot_in_f16, fp8_dot_operand, paged_tile_offsets
 
 _LOG2_E = 1.4426950408889634
 
@@ -62,7 +62,7 @@ def _attend_tile(
     else:
         k = tl.load(k_cache + offsets)
         v = tl.load(v_cache + offsets)
-    if KV_FP8:
+    if KV_FP8 and q.dtype == tl.float32:  # float32 model: upcast exactly, dot in float32
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
@@ -84,6 +84,7 @@ def _paged_prefill_kernel(
     stride_cache_block, stride_cache_pos, stride_cache_head, stride_table,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+    DOT_F16: tl.constexpr,
 ):
     q_tile = tl.num_programs(0) - 1 - tl.program_id(0)  # longest causal rows start first
     head = tl.program_id(1)
@@ -104,6 +105,8 @@ def _paged_prefill_kernel(
         query + tokens[:, None] * stride_q_tok + head * stride_q_head + dims[None, :],
         mask=row_valid[:, None], other=0.0,
     )
+    if DOT_F16:
+        q = fp8_dot_operand(q)
     query_pos = context_len + rows
 
     block_table_row = block_tables + seq.to(tl.int64) * stride_table
@@ -178,6 +181,7 @@ def paged_prefill_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=num_q_heads // k_cache.shape[2], BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision(query.dtype), KV_FP8=kv_fp8,
+        DOT_F16=fp8_dot_in_f16(kv_fp8, query.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

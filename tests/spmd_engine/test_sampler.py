@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from spmd_engine.executor.sampler import (NUCLEUS_ROUNDS, TOP_K_FAST_MAX, Sampler, SamplingRow, _apply_top_k_top_p, _race,
-                                 _sample_top_k, path_of, request_seed, seed_bits)
+                                 _sample_top_k, row_keys, path_of, request_seed, seed_bits)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -309,3 +309,13 @@ def test_sampling_never_waits_for_the_gpu():
         torch.cuda.set_sync_debug_mode(previous)
     assert all(o.shape == (64,) for o in outs)
     assert outs[0].tolist() == [outs[1 + i % len(kinds)][i].item() for i in range(64)]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 148, 255])
+def test_row_keys_start_16_byte_aligned_for_any_row_count(n):
+    """Triton specialises a pointer on 16-byte alignment: counters 8 bytes off (an odd row count) made
+    every sampling kernel compile a second variant mid-job."""
+    rows = [row(i, 0.6, seed=7 * i, counter=i + 3) for i in range(n)]
+    seeds, counters = row_keys(rows, torch.device("cpu"))
+    assert seeds.data_ptr() % 16 == 0 and counters.data_ptr() % 16 == 0
+    assert counters.tolist() == [i + 3 for i in range(n)] and seeds.shape == counters.shape == (n,)
