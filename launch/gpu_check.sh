@@ -98,39 +98,8 @@ PY
         2>&1 | tee -a "$LOG" "$OUT/sweep.txt" >/dev/null
       cp "$WORK/sweep/sweep.png" "$OUT/" 2>/dev/null || true ;;
     profile)
-      note "profile: GPU time by kernel over decode-heavy generate calls (torch.profiler)"
-      CUDA_VISIBLE_DEVICES=0 timeout -k 10 150 python - <<'PY' 2>&1 | tee -a "$LOG"
-import time, torch, yaml
-from torch.profiler import ProfilerActivity, profile
-from spmd_engine.config import engine_config_from_dict
-from spmd_engine.distributed import RankInfo
-from spmd_engine.engine import Engine
-from spmd_engine.job.workloads import bench_requests
-
-model = yaml.safe_load(open("conf/model/qwen3.yaml"))
-model["load_format"] = "dummy"
-raw = {"model": model, "workload": {"name": "bench"}, "max_model_len": 4096, "log_level": "WARNING"}
-llm = Engine(engine_config_from_dict(raw), RankInfo(0, 1, 0, "127.0.0.1", 0, "single"))
-for n in (1, 256):
-    reqs = bench_requests({"num_seqs": n, "min_input_len": 600, "max_input_len": 600, "min_output_len": 40,
-                           "max_output_len": 40})
-    llm.generate(reqs[:1])
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        llm.generate(reqs)
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
-    events = [(getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0), e.count, e.key)
-              for e in prof.key_averages()]
-    gpu = sum(t for t, _, _ in events)
-    timing = llm.last_run["step_timing"]["decode"]
-    print(f"--- batch {n}: wall {wall * 1e3:.1f} ms (profiled), GPU busy {gpu / 1e3:.1f} ms, decode step "
-          f"{timing['step_ms']:.2f} ms x {timing['steps']}")
-    for t, count, key in sorted(events, reverse=True)[:16]:
-        print(f"{t / 1e3:9.2f} ms {count:7d}  {key[:90]}")
-llm.close()
-PY
-      ;;
+      note "profile: GPU time per decode step by kernel, batch 1 and 256 (launch/kernel_profile.py)"
+      CUDA_VISIBLE_DEVICES=0 timeout -k 10 200 python launch/kernel_profile.py 2>&1 | grep -v Warning | tee -a "$LOG" ;;
     *) note "unknown stage $stage" ;;
   esac
 done

@@ -1,0 +1,75 @@
+"""GPU time per decode step by kernel, measured by difference (CUDA only).
+
+Why: a profile over a whole `generate` mixes the prefill and mixed steps into every kernel's mean, so
+a per-call average says little about a decode step. This runs the same requests twice with two output
+lengths under torch.profiler and divides the difference of each kernel's GPU time by the extra decode
+steps: what one decode step of that batch and context costs, kernel by kernel.
+
+    python launch/kernel_profile.py                         # Qwen3-0.6B dummy weights, batch 1 and 256
+    python launch/kernel_profile.py --model qwen3 --batch 64 --context 2000 --set kv_cache_dtype=fp8
+"""
+from __future__ import annotations
+
+import argparse
+
+
+def kernel_times(engine, requests) -> dict[str, tuple[float, int]]:
+    """GPU microseconds and call count per kernel name over one generate call."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.generate(requests)
+        torch.cuda.synchronize()
+    return {e.key: (getattr(e, "self_device_time_total", 0.0), e.count) for e in prof.key_averages()}
+
+
+def per_step(engine, batch: int, context: int, short: int, long: int, top: int) -> None:
+    from spmd_engine.job.workloads import bench_requests
+
+    def requests(out: int):
+        return bench_requests({"num_seqs": batch, "min_input_len": context, "max_input_len": context,
+                               "min_output_len": out, "max_output_len": out})
+
+    engine.generate(requests(4))  # compile and warm every kernel of this shape first
+    a, b = kernel_times(engine, requests(short)), kernel_times(engine, requests(long))
+    steps = long - short
+    rows = [((b[k][0] - a.get(k, (0.0, 0))[0]) / steps, (b[k][1] - a.get(k, (0.0, 0))[1]) / steps, k) for k in b]
+    print(f"--- batch {batch}, context {context + short}..{context + long}: GPU per decode step "
+          f"{sum(r[0] for r in rows) / 1e3:.3f} ms (difference of {steps} steps)")
+    for us, calls, name in sorted(rows, reverse=True)[:top]:
+        print(f"{us:9.1f} us {calls:6.1f} calls/step {us / max(calls, 1e-9):8.2f} us/call  {name[:90]}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="qwen3", help="a conf/model group (dummy weights)")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 256])
+    p.add_argument("--context", type=int, default=600, help="prompt tokens per request")
+    p.add_argument("--steps", type=int, nargs=2, default=[16, 48], metavar=("SHORT", "LONG"),
+                   help="the two output lengths")
+    p.add_argument("--top", type=int, default=18)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an engine key (yaml value)")
+    args = p.parse_args()
+
+    import yaml
+
+    from spmd_engine.config import engine_config_from_dict
+    from spmd_engine.distributed import RankInfo
+    from spmd_engine.engine import Engine
+    from spmd_engine.llm import compose_config
+
+    keys = {"max_model_len": 4096, "log_level": "WARNING"}
+    keys.update({k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in args.set)})
+    raw = compose_config(args.model, keys)
+    raw["model"]["load_format"] = "dummy"
+    engine = Engine(engine_config_from_dict(raw), RankInfo(0, 1, 0, "127.0.0.1", 0, "single"))
+    try:
+        for batch in args.batch:
+            per_step(engine, batch, args.context, args.steps[0], args.steps[1], args.top)
+    finally:
+        engine.close()
+
+
+if __name__ == "__main__":
+    main()
