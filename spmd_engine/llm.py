@@ -53,6 +53,9 @@ class GenerationOutput:
                    [CompletionOutput(0, out.text, list(out.token_ids), out.finish_reason, out.error)])
 
 
+MODEL_KEYWORDS = ("load_format",)  # model.* keys that LLM(...) takes as plain keywords
+
+
 def compose_config(model: str, overrides: dict[str, Any]) -> dict[str, Any]:
     """conf/ composed for `model` (a conf/model group name, else a checkpoint dir or hub id), with
     engine keys replaced by `overrides`; a plain dict, checked later by engine_config_from_dict."""
@@ -71,7 +74,10 @@ def compose_config(model: str, overrides: dict[str, Any]) -> dict[str, Any]:
     raw = OmegaConf.to_container(cfg, resolve=True)
     if group is None:
         raw["model"]["path"] = model
-    for key, value in overrides.items():
+    for key in MODEL_KEYWORDS:  # vLLM's LLM(model, load_format="dummy"): `model` is taken by the name
+        if key in overrides:
+            raw["model"][key] = overrides[key]
+    for key, value in ((k, v) for k, v in overrides.items() if k not in MODEL_KEYWORDS):
         if isinstance(value, dict) and isinstance(raw.get(key), dict):
             raw[key] = {**raw[key], **value}  # e.g. sampling={"max_tokens": 8}
         else:

@@ -216,3 +216,12 @@ def test_the_composed_config_takes_every_default_from_the_dataclasses():
     # a key Hydra does not know (given with +) still fails with our one line, not at composition
     with pytest.raises(ConfigError, match=r"^unknown config key block_sise; did you mean block_size\?$"):
         engine_config_from_dict(compose_config("qwen3", {"block_sise": 16}))
+
+
+def test_llm_keyword_load_format_sets_model_load_format():
+    """vLLM's LLM(model, load_format="dummy"): `model` is the name, so the model key comes as a keyword."""
+    from spmd_engine.llm import compose_config
+
+    raw = compose_config("qwen3", {"load_format": "dummy", "block_size": 32})
+    assert raw["model"]["load_format"] == "dummy" and "load_format" not in raw and raw["block_size"] == 32
+    engine_config_from_dict(raw)  # and it is a valid config
