@@ -1,6 +1,10 @@
 """Shared pieces of the GPU tests: a tiny bf16 checkpoint the Triton kernels accept, and engines on it."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -41,3 +45,32 @@ def greedy_tokens(llm: Engine, prompts: list[list[int]], max_tokens: int = 16) -
                          for i, p in enumerate(prompts)])
     assert [o.error for o in outs] == [None] * len(prompts)
     return [o.token_ids for o in outs]
+
+
+REPO = Path(__file__).resolve().parents[2]
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+MAX_TOKENS = 12  # greedy tokens per prompt in the multirun jobs
+
+
+def multirun_jobs(ckpt: Path, out: Path, nproc: int, sweep: list[str], timeout: int = 480) -> list[tuple[dict, list]]:
+    """One launch (`python run.py` or torchrun over `nproc` ranks), a Hydra multirun over `sweep` on the
+    tiny checkpoint with the PROMPTS greedy: (metrics.json, token ids per prompt in order) per job."""
+    prompts = out.parent / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in PROMPTS))
+    launcher = [sys.executable, "run.py"] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "run.py"]
+    args = ["-m", *sweep, "model=qwen3", f"model.path={ckpt}", f"prompts_file={prompts}", "device=cuda",
+            "sampling.temperature=0", f"sampling.max_tokens={MAX_TOKENS}", "sampling.ignore_eos=true",
+            "num_kv_blocks=128", "max_model_len=256", "max_num_seqs=8", f"hydra.sweep.dir={out}", "log_level=WARNING"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                           "MASTER_PORT")}
+    env.update(NO_MULTICAST)
+    proc = subprocess.run(launcher + args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    jobs = []
+    for job in sorted(p for p in out.iterdir() if p.is_dir()):
+        rows = [json.loads(line) for line in (job / "outputs.jsonl").read_text().splitlines()]
+        assert [r["error"] for r in rows] == [None] * len(PROMPTS)
+        rows.sort(key=lambda r: r["index"])
+        jobs.append((json.loads((job / "metrics.json").read_text()), [r["token_ids"] for r in rows]))
+    return jobs

@@ -8,10 +8,7 @@ Run: python -m pytest -q tests/gpu/test_tp_allreduce.py (2 GPUs; multicast off a
 """
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,18 +19,21 @@ from spmd_engine.executor.tp_allreduce import (
     TpGroup,
     make_tp_allreduce,
 )
-from tests.gpu.engine_setup import GPU, PROMPTS, tiny_bf16_checkpoint
+from tests.gpu.engine_setup import (
+    GPU,
+    MAX_TOKENS,
+    NO_MULTICAST,
+    multirun_jobs,
+    tiny_bf16_checkpoint,
+)
 from tests.helpers.spawned_ranks import run_on_ranks
 
 pytestmark = GPU + [pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
-REPO = Path(__file__).resolve().parents[2]
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 HIDDEN = 4096
 BUFFER_BYTES = 256 * HIDDEN * 4  # Qwen3-8B's largest decode message in float32
 # rows x HIDDEN: decode sizes, an odd row count, and one message past the buffer (NCCL fallback)
 ROWS = (1, 7, 64, 256, 300)
 DTYPES = (torch.float32, torch.bfloat16)
-MAX_TOKENS = 12
 
 
 def sums_worker(rank: int, out: Path) -> None:
@@ -121,28 +121,8 @@ def test_bf16_partials_sum_exactly_as_nccl_in_and_out_of_graphs(sums):
 def run_engine(ckpt: Path, out: Path, nproc: int, sweep: list[str]) -> dict[tuple[str, str], tuple[list, dict]]:
     """One launch, a Hydra multirun over `sweep`: (tokens, metrics tp_allreduce) per (tp_allreduce,
     enforce_eager) job."""
-    prompts = out.parent / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in PROMPTS))
-    launcher = [sys.executable, "run.py"] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "run.py"]
-    args = ["-m", *sweep, "model=qwen3", f"model.path={ckpt}", f"prompts_file={prompts}", "device=cuda",
-            "dtype=bfloat16", "sampling.temperature=0", f"sampling.max_tokens={MAX_TOKENS}",
-            "sampling.ignore_eos=true", "num_kv_blocks=128", "max_model_len=256", "max_num_seqs=8",
-            f"hydra.sweep.dir={out}", "log_level=WARNING"]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                           "MASTER_PORT")}
-    env.update(NO_MULTICAST)
-    proc = subprocess.run(launcher + args, cwd=REPO, env=env, capture_output=True, text=True, timeout=480)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    jobs = {}
-    for job in sorted(p for p in out.iterdir() if p.is_dir()):
-        metrics = json.loads((job / "metrics.json").read_text())
-        rows = [json.loads(line) for line in (job / "outputs.jsonl").read_text().splitlines()]
-        assert [r["error"] for r in rows] == [None] * len(PROMPTS)
-        rows.sort(key=lambda r: r["index"])
-        key = (str(metrics["config"].get("tp_allreduce", "auto")), str(metrics["config"].get("enforce_eager", False)))
-        jobs[key] = ([r["token_ids"] for r in rows], metrics["tp_allreduce"])
-    return jobs
+    return {(str(m["config"].get("tp_allreduce", "auto")), str(m["config"].get("enforce_eager", False))):
+            (tokens, m["tp_allreduce"]) for m, tokens in multirun_jobs(ckpt, out, nproc, ["dtype=bfloat16", *sweep])}
 
 
 def test_symm_mem_engine_gives_the_nccl_engines_and_one_gpus_tokens(tmp_path):

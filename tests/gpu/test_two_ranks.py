@@ -1,21 +1,24 @@
 """Tensor parallelism over 2 GPUs (torchrun, NCCL, CUDA graphs) against 1 GPU: fp32 and bf16."""
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.gpu.engine_setup import GPU, PROMPTS, tiny_bf16_checkpoint
+from tests.gpu.engine_setup import (
+    GPU,
+    MAX_TOKENS,
+    NO_MULTICAST,
+    PROMPTS,
+    multirun_jobs,
+    tiny_bf16_checkpoint,
+)
 from tests.helpers.spawned_ranks import run_on_ranks
-from tests.models.test_row_parallel_reduce import check_row_parallel_outputs, row_parallel_worker
+from tests.models.test_row_parallel_reduce import (
+    check_row_parallel_outputs,
+    row_parallel_worker,
+)
 
 pytestmark = GPU + [pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
-REPO = Path(__file__).resolve().parents[2]
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-MAX_TOKENS = 12
 # fp32 must give 1 rank's tokens, and so must bf16 with tp_reduce_dtype=float32 (the default). Two
 # things made bf16 differ before (H200, 2026-11-30, this checkpoint): per-rank rounding of the
 # row-parallel partial sums (12974 of 34816 layer-0 o_proj outputs differ with tp_reduce_dtype=model, 3
@@ -27,26 +30,8 @@ MAX_TOKENS = 12
 
 def run_engine(ckpt: Path, out: Path, nproc: int, sweep: list[str]) -> dict[tuple[str, str], list[list[int]]]:
     """One launch, a Hydra multirun over `sweep`: greedy tokens per (dtype, tp_reduce_dtype) job."""
-    prompts = out.parent / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in PROMPTS))
-    launcher = [sys.executable, "run.py"] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "run.py"]
-    args = ["-m", *sweep, "model=qwen3", f"model.path={ckpt}", f"prompts_file={prompts}", "device=cuda",
-            "sampling.temperature=0", f"sampling.max_tokens={MAX_TOKENS}", "sampling.ignore_eos=true",
-            "num_kv_blocks=128", "max_model_len=256", "max_num_seqs=8", f"hydra.sweep.dir={out}", "log_level=WARNING"]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                           "MASTER_PORT")}
-    env.update(NO_MULTICAST)
-    proc = subprocess.run(launcher + args, cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    tokens = {}
-    for job in sorted(p for p in out.iterdir() if p.is_dir()):
-        config = json.loads((job / "metrics.json").read_text())["config"]
-        rows = [json.loads(line) for line in (job / "outputs.jsonl").read_text().splitlines()]
-        assert [r["error"] for r in rows] == [None] * len(PROMPTS)
-        rows.sort(key=lambda r: r["index"])
-        tokens[config["dtype"], config["tp_reduce_dtype"]] = [r["token_ids"] for r in rows]
-    return tokens
+    return {(m["config"]["dtype"], m["config"]["tp_reduce_dtype"]): tokens
+            for m, tokens in multirun_jobs(ckpt, out, nproc, sweep, timeout=420)}
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
