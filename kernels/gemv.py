@@ -18,6 +18,9 @@ Design:
   float32 logits).
 - `gated`: x holds a SwiGLU's packed gate | up and the input is silu(gate) * up, computed while
   loading x (`kernels/silu_and_mul.silu_mul`, so the same bits as the separate launch).
+- `rms_norm_gemv`: the decoder layer's residual add + RMSNorm before qkv_proj / gate_up_proj runs in
+  the prologue (every program reduces its rows' rms over the whole K; the first N tile writes the new
+  residual), the same bits as `kernels/rms_norm.rms_norm` then the GEMV where `rms_norm_gemv_exact`.
 
 Determinism: BLOCK_M is always 16 (`GEMV_MAX_M`; padding rows load zeros) and M is a runtime
 argument that Triton does not specialise on, so every M <= 16 runs the same compiled kernel; an
