@@ -132,7 +132,7 @@ def compare_norm(name: str) -> None:
             same = torch.equal(out, gemv(normed, w)) and torch.equal(new_res, summed)
             two, one = case.time(m, "norm+gemv"), case.time(m, "norm_gemv")
             saved[m] += count * (two - one) if exact else 0.0
-            print(f"{proj:>8} {n:>7} {k:>6} {m:>3} {two:>10.1f} {one:>10.1f} {two - one:>+7.1f}  {str(same):>9}  "
+            print(f"{proj:>8} {n:>7} {k:>6} {m:>3} {two:>10.1f} {one:>10.1f} {two - one:>+7.1f}  {same!s:>9}  "
                   f"{'yes' if exact else 'no (norm and GEMV num_warps differ)'}")
         del case
         torch.cuda.empty_cache()

@@ -138,7 +138,7 @@ def _gemv_kernel(
         norm_cols = tl.arange(0, NORM_BLOCK)
         norm_ok = norm_cols < K
         row_inv = tl.zeros((BLOCK_M,), dtype=tl.float32)  # padding rows: 0 (their input is zeros)
-        for r in range(0, M):
+        for r in range(M):
             values = tl.load(x + r * stride_xm + norm_cols, mask=norm_ok, other=0.0)  # r < 16: no int32 overflow
             if HAS_RESIDUAL:
                 res = tl.load(residual + r * stride_rm + norm_cols, mask=norm_ok, other=0.0)
