@@ -35,6 +35,12 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(x), gated=True)
 
+    def forward_normed(self, x: torch.Tensor, norm: RMSNorm, residual: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(self(norm(x + residual)), x + residual)`; at small batch the norm runs inside gate_up_proj's GEMV."""
+        gate_up, residual = self.gate_up_proj.forward_normed(x, norm, residual)
+        return self.down_proj(gate_up, gated=True), residual
+
 
 class LlamaAttention(nn.Module):
     """qkv projection -> (per-head q/k transform) -> rotary -> paged attention -> output projection; the
@@ -53,21 +59,24 @@ class LlamaAttention(nn.Module):
         """Hook on q [T, Hq, D] and k [T, Hkv, D] before rotary; Llama has none."""
         return q, k
 
-    def project(self, hidden: torch.Tensor, cos_sin: CosSin, attn: AttentionMetadata
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """qkv projection, q/k transform, rotary, K/V stored into the cache -> (q, k, v), each [T, heads * D]."""
+    def project(self, hidden: torch.Tensor, norm: RMSNorm, residual: torch.Tensor | None, cos_sin: CosSin,
+                attn: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Residual add + `norm`, qkv projection (one launch at small batch: `forward_normed`), q/k transform,
+        rotary, K/V stored into the cache -> (q, k, v, residual stream), q/k/v each [T, heads * D]."""
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        qkv, residual = self.qkv_proj.forward_normed(hidden, norm, residual)
+        q, k, v = self.qkv_proj.split(qkv)
         q = q.reshape(num_tokens, -1, self.head_dim)
         k = k.reshape(num_tokens, -1, self.head_dim)
         q, k = self.transform_qk(q, k)
         q, k = apply_rotary(q, *cos_sin).reshape(num_tokens, -1), apply_rotary(k, *cos_sin).reshape(num_tokens, -1)
         self.attn.store(k, v, attn)
-        return q, k, v
+        return q, k, v, residual
 
 
 class LlamaDecoderLayer(nn.Module):
-    """x + attn(norm(x)), then + mlp(norm(.)); the residual adds are fused into the next norm."""
+    """x + attn(norm(x)), then + mlp(norm(.)); the residual adds are fused into the next norm, and at small
+    batch on CUDA each norm into the projection after it (`ColumnParallelLinear.forward_normed`)."""
 
     def __init__(self, shape: ModelShape, tp: TensorParallel, backend: str, attention_cls: type[LlamaAttention]):
         super().__init__()
@@ -80,17 +89,11 @@ class LlamaDecoderLayer(nn.Module):
                          attn: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Residual add + norm, q/k/v with K/V stored -> (q, k, v, residual). Only `attn.slot_mapping` is
         read, so this half runs inside the piecewise CUDA graphs."""
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        q, k, v = self.self_attn.project(hidden, cos_sin, attn)
-        return q, k, v, residual
+        return self.self_attn.project(hidden, self.input_layernorm, residual, cos_sin, attn)
 
     def after_attention(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """o_proj, residual add + norm, MLP -> (this layer's MLP output, the residual stream before it)."""
-        hidden, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn_out), residual)
-        return self.mlp(hidden), residual
+        return self.mlp.forward_normed(self.self_attn.o_proj(attn_out), self.post_attention_layernorm, residual)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos_sin: CosSin,
                 attn: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
