@@ -1,6 +1,7 @@
 """The fused q/k norm + rotary + KV store against the unfused kernels it replaces (rms_norm_pair,
 apply_rotary on q and on k, store_kv): q and both caches bit for bit (fp8 bytes included), for Qwen3-like
-(norms) and Llama-like (no norms) layers, GQA, several block sizes, padded slot -1 rows."""
+(norms) and Llama-like (no norms) layers, GQA, several block sizes, padded slot -1 rows. At real shapes on
+CUDA: tests/gpu/test_qk_norm_rope_store.py."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from spmd_engine.kernels.qk_norm_rope_store import qk_norm_rope_store
 from spmd_engine.kernels.reference import qk_norm_rope_store_reference
 from spmd_engine.kernels.rms_norm import rms_norm_pair
 from spmd_engine.kernels.rotary import apply_rotary
-from tests.kernels.paged_batch import DEVICE, gpu_case
+from tests.kernels.paged_batch import DEVICE
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # triton interpreter noise
 EPS = 1e-6
@@ -164,16 +165,3 @@ def test_bad_inputs_are_clear_errors():
         qk_norm_rope_store(layer.q, layer.k, layer.v, layer.cos, layer.sin, layer.k_cache[:, :, :1],
                            layer.v_cache[:, :, :1], layer.slots)
 
-
-# the real Qwen3-0.6B / Llama-3-8B attention shapes on one rank, at the decode and mixed-step token counts
-GPU_CASES = [gpu_case(tokens, hq, hkv, 128, torch.bfloat16, cache, 16, norms)
-             for tokens in (1, 7, 256, 1024, 8192)
-             for hq, hkv, norms in ((16, 8, True), (32, 8, False))
-             for cache in (torch.bfloat16, FP8_DTYPE)]
-
-
-@pytest.mark.parametrize("tokens,hq,hkv,head_dim,dtype,cache_dtype,block_size,norms", GPU_CASES)
-def test_fused_equals_the_unfused_kernels_on_the_gpu(tokens, hq, hkv, head_dim, dtype, cache_dtype, block_size,
-                                                     norms):
-    test_fused_equals_the_unfused_kernels_bit_for_bit(tokens, hq, hkv, head_dim, dtype, cache_dtype, block_size,
-                                                      norms)
