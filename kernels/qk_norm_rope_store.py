@@ -9,10 +9,16 @@ float8_e4m3fn exactly as `kernels/kv_store.py` does it).
 
 Layout: grid (tokens, head groups). A group is ROWS heads, one warp per head (num_warps == ROWS): the
 first ceil(Hq / ROWS) groups are q's, the rest each store ROWS k heads and ROWS v heads of one token
-(skipped for slot -1). A head's RMSNorm sum is a row of a [ROWS, D] tile over ROWS warps, so each warp
-reduces one row exactly as `_rms_norm_pair_kernel`'s single warp reduces its [D] vector (D <= 256):
-the same per-thread split and lane tree, hence the same float32 sum. At batch 1 ROWS is 1 (Hq + Hkv
-programs, one short launch); at thousands of tokens it grows to 8 (fewer, fuller programs).
+(nothing for slot -1). At batch 1 ROWS is 1 (Hq + Hkv programs, one short launch); at thousands of tokens
+it grows to 8 (fewer, fuller programs).
+
+Bit-exactness on the GPU hinges on the norm's float32 sum, whose order follows the compiled layout. So
+the norm is its own phase, as `_rms_norm_pair_kernel` is its own kernel: every tensor of it is a
+[ROWS, D] tile (weights included) with no other layout to meet, which gives each warp one row split
+over its 32 lanes exactly as the pair kernel's single warp splits its [D] vector (D <= 256): the same
+per-thread chunks and lane tree, the same sum. The normed rows go through memory (q's into q_out, k's
+into a scratch buffer; a CTA barrier orders the phases) and the rotary phase is `_rotary_kernel`'s code
+term for term (the same float32 contractions).
 """
 from __future__ import annotations
 
@@ -27,32 +33,30 @@ MAX_NORM_HEAD_DIM = 256  # rms_norm_pair reduces a head in one warp up to here; 
 
 
 @triton.jit
-def _norm_rope_halves(
-    x, heads, num_heads, stride_head, weight, cos_row, sin_row, num_cols, half, eps,
-    HAS_NORM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
-):
-    """Rows `heads` [ROWS, 1] of one token's x -> its rotated halves, each [ROWS, BLOCK_HALF] in x's dtype."""
-    dtype = x.dtype.element_ty
-    row_ok = heads < num_heads
+def _norm_rows(x, stride_head, weight, out, heads, num_heads, num_cols, eps, BLOCK_D: tl.constexpr):
+    """rms_norm.py `_normalize` of rows `heads` [ROWS, 1] of one token's x into `out` (rows of num_cols)."""
+    cols = tl.arange(0, BLOCK_D)[None, :]
+    mask = (heads < num_heads) & (cols < num_cols)
+    values = tl.load(x + heads * stride_head + cols, mask=mask, other=0.0)
+    w = tl.load(weight + 0 * heads + cols, mask=mask, other=0.0)  # a full tile: no second layout in this phase
+    xf = values.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=1) / num_cols + eps)
+    normed = (xf * inv_rms[:, None]).to(out.dtype.element_ty).to(tl.float32)
+    tl.store(out + heads * num_cols + cols, (normed * w.to(tl.float32)).to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotate_rows(x, stride_head, cos_row, sin_row, heads, num_heads, half, BLOCK_HALF: tl.constexpr):
+    """rotary.py `_rotary_kernel` on rows `heads` of one token's x -> the two rotated halves in x's dtype."""
     dims = tl.arange(0, BLOCK_HALF)[None, :]
-    half_ok = row_ok & (dims < half)
-    base = x + heads * stride_head
-    c = tl.load(cos_row + dims, mask=dims < half, other=0.0).to(tl.float32)
-    s = tl.load(sin_row + dims, mask=dims < half, other=0.0).to(tl.float32)
-    x1 = tl.load(base + dims, mask=half_ok, other=0.0).to(tl.float32)
-    x2 = tl.load(base + half + dims, mask=half_ok, other=0.0).to(tl.float32)
-    if HAS_NORM:  # rms_norm.py `_normalize`, the sum over the whole row as its one-warp reduction takes it
-        cols = tl.arange(0, BLOCK_D)[None, :]
-        row = tl.load(base + cols, mask=row_ok & (cols < num_cols), other=0.0).to(tl.float32)
-        inv_rms = tl.rsqrt(tl.sum(row * row, axis=1) / num_cols + eps)[:, None]
-        w1 = tl.load(weight + dims, mask=dims < half, other=0.0).to(tl.float32)
-        w2 = tl.load(weight + half + dims, mask=dims < half, other=0.0).to(tl.float32)
-        x1 = (((x1 * inv_rms).to(dtype).to(tl.float32) * w1).to(dtype)).to(tl.float32)
-        x2 = (((x2 * inv_rms).to(dtype).to(tl.float32) * w2).to(dtype)).to(tl.float32)
-    # rotary.py `_rotary_kernel`'s expressions, term for term (the same float32 contractions)
-    out1 = (x1 * c - x2 * s).to(dtype)
-    out2 = (x2 * c + x1 * s).to(dtype)
-    return out1, out2
+    dim_ok = dims < half
+    mask = (heads < num_heads) & dim_ok
+    base = x + heads * stride_head + dims
+    x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + half, mask=mask, other=0.0).to(tl.float32)
+    c = tl.load(cos_row + dims, mask=dim_ok, other=0.0).to(tl.float32)
+    s = tl.load(sin_row + dims, mask=dim_ok, other=0.0).to(tl.float32)
+    return (x1 * c - x2 * s).to(x.dtype.element_ty), (x2 * c + x1 * s).to(x.dtype.element_ty)
 
 
 @triton.jit
@@ -66,7 +70,7 @@ def _to_cache(x, scale_ptr, heads, row_ok, cache_dtype: tl.constexpr, QUANTIZE: 
 
 @triton.jit
 def _qk_norm_rope_store_kernel(
-    q, k, v, cos, sin, q_weight, k_weight, q_out, k_cache, v_cache, slot_mapping, k_scale, v_scale,
+    q, k, v, cos, sin, q_weight, k_weight, q_out, k_normed, k_cache, v_cache, slot_mapping, k_scale, v_scale,
     num_q_heads, num_kv_heads, num_cols, half, eps,
     stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_cs_tok,
     stride_cache_block, stride_cache_pos, stride_cache_head, block_size,
@@ -80,16 +84,31 @@ def _qk_norm_rope_store_kernel(
     cos_row, sin_row = cos + tok * stride_cs_tok, sin + tok * stride_cs_tok
     if group < q_groups:
         heads = group * ROWS + tl.arange(0, ROWS)[:, None]
-        out1, out2 = _norm_rope_halves(q + tok * stride_q_tok, heads, num_q_heads, stride_q_head, q_weight,
-                                       cos_row, sin_row, num_cols, half, eps, HAS_NORM, BLOCK_D, BLOCK_HALF)
+        out_row = q_out + tok * num_q_heads * num_cols
+        if HAS_NORM:  # normed q into q_out, rotated there in place
+            _norm_rows(q + tok * stride_q_tok, stride_q_head, q_weight, out_row, heads, num_q_heads, num_cols, eps,
+                       BLOCK_D)
+            tl.debug_barrier()
+            out1, out2 = _rotate_rows(out_row, num_cols, cos_row, sin_row, heads, num_q_heads, half, BLOCK_HALF)
+            tl.debug_barrier()  # every normed value read before any is overwritten
+        else:
+            out1, out2 = _rotate_rows(q + tok * stride_q_tok, stride_q_head, cos_row, sin_row, heads, num_q_heads,
+                                      half, BLOCK_HALF)
         mask = (heads < num_q_heads) & (dims < half)
-        dst = q_out + (tok * num_q_heads + heads) * num_cols + dims
+        dst = out_row + heads * num_cols + dims
         tl.store(dst, out1, mask=mask)
         tl.store(dst + half, out2, mask=mask)
     else:  # the loads do not wait for the slot (one memory round trip less at batch 1); slot -1 stores nothing
         heads = (group - q_groups) * ROWS + tl.arange(0, ROWS)[:, None]
-        out1, out2 = _norm_rope_halves(k + tok * stride_k_tok, heads, num_kv_heads, stride_k_head, k_weight,
-                                       cos_row, sin_row, num_cols, half, eps, HAS_NORM, BLOCK_D, BLOCK_HALF)
+        if HAS_NORM:
+            normed_row = k_normed + tok * num_kv_heads * num_cols
+            _norm_rows(k + tok * stride_k_tok, stride_k_head, k_weight, normed_row, heads, num_kv_heads, num_cols,
+                       eps, BLOCK_D)
+            tl.debug_barrier()
+            out1, out2 = _rotate_rows(normed_row, num_cols, cos_row, sin_row, heads, num_kv_heads, half, BLOCK_HALF)
+        else:
+            out1, out2 = _rotate_rows(k + tok * stride_k_tok, stride_k_head, cos_row, sin_row, heads, num_kv_heads,
+                                      half, BLOCK_HALF)
         cols = tl.arange(0, BLOCK_D)[None, :]
         values = tl.load(v + tok * stride_v_tok + heads * stride_v_head + cols,
                          mask=(heads < num_kv_heads) & (cols < num_cols))
@@ -175,10 +194,12 @@ def qk_norm_rope_store(
     num_kv_heads = k.shape[1]
     rows = rows_per_program(num_tokens, num_q_heads, num_kv_heads, q.is_cuda)
     groups = triton.cdiv(num_q_heads, rows) + triton.cdiv(num_kv_heads, rows)
+    # the normed k between the two phases (the normed q goes through q_out)
+    k_normed = torch.empty(k.shape, dtype=k.dtype, device=k.device) if has_norm else q_out
     _qk_norm_rope_store_kernel[(num_tokens, groups)](
         q, k, v, cos, sin,
         q_weight if has_norm else q, k_weight if has_norm else q,  # unread without HAS_NORM
-        q_out, k_cache, v_cache, slot_mapping,
+        q_out, k_normed, k_cache, v_cache, slot_mapping,
         k_scale if quantize else slot_mapping, v_scale if quantize else slot_mapping,  # unread without QUANTIZE
         num_q_heads, num_kv_heads, head_dim, half, eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
