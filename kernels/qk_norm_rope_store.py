@@ -46,16 +46,22 @@ def _norm_rows(x, stride_head, weight, out, heads, num_heads, num_cols, eps, BLO
 
 
 @triton.jit
-def _rotate_rows(x, stride_head, cos_row, sin_row, heads, num_heads, half, BLOCK_HALF: tl.constexpr):
+def _cos_sin(cos, sin, tok, stride_cs_tok, half, BLOCK_HALF: tl.constexpr):
+    """The token's cos and sin [1, BLOCK_HALF] in float32 (loaded first: the phases need not wait for them)."""
+    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    c = tl.load(cos + tok * stride_cs_tok + dims, mask=dims < half, other=0.0).to(tl.float32)
+    s = tl.load(sin + tok * stride_cs_tok + dims, mask=dims < half, other=0.0).to(tl.float32)
+    return c, s
+
+
+@triton.jit
+def _rotate_rows(x, stride_head, c, s, heads, num_heads, half, BLOCK_HALF: tl.constexpr):
     """rotary.py `_rotary_kernel` on rows `heads` of one token's x -> the two rotated halves in x's dtype."""
     dims = tl.arange(0, BLOCK_HALF)[None, :]
-    dim_ok = dims < half
-    mask = (heads < num_heads) & dim_ok
+    mask = (heads < num_heads) & (dims < half)
     base = x + heads * stride_head + dims
     x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(base + half, mask=mask, other=0.0).to(tl.float32)
-    c = tl.load(cos_row + dims, mask=dim_ok, other=0.0).to(tl.float32)
-    s = tl.load(sin_row + dims, mask=dim_ok, other=0.0).to(tl.float32)
     return (x1 * c - x2 * s).to(x.dtype.element_ty), (x2 * c + x1 * s).to(x.dtype.element_ty)
 
 
@@ -81,7 +87,7 @@ def _qk_norm_rope_store_kernel(
     group = tl.program_id(1)
     q_groups = tl.cdiv(num_q_heads, ROWS)
     dims = tl.arange(0, BLOCK_HALF)[None, :]
-    cos_row, sin_row = cos + tok * stride_cs_tok, sin + tok * stride_cs_tok
+    c, s = _cos_sin(cos, sin, tok, stride_cs_tok, half, BLOCK_HALF)
     if group < q_groups:
         heads = group * ROWS + tl.arange(0, ROWS)[:, None]
         out_row = q_out + tok * num_q_heads * num_cols
@@ -89,30 +95,30 @@ def _qk_norm_rope_store_kernel(
             _norm_rows(q + tok * stride_q_tok, stride_q_head, q_weight, out_row, heads, num_q_heads, num_cols, eps,
                        BLOCK_D)
             tl.debug_barrier()
-            out1, out2 = _rotate_rows(out_row, num_cols, cos_row, sin_row, heads, num_q_heads, half, BLOCK_HALF)
+            out1, out2 = _rotate_rows(out_row, num_cols, c, s, heads, num_q_heads, half, BLOCK_HALF)
             tl.debug_barrier()  # every normed value read before any is overwritten
         else:
-            out1, out2 = _rotate_rows(q + tok * stride_q_tok, stride_q_head, cos_row, sin_row, heads, num_q_heads,
-                                      half, BLOCK_HALF)
+            out1, out2 = _rotate_rows(q + tok * stride_q_tok, stride_q_head, c, s, heads, num_q_heads, half,
+                                      BLOCK_HALF)
         mask = (heads < num_q_heads) & (dims < half)
         dst = out_row + heads * num_cols + dims
         tl.store(dst, out1, mask=mask)
         tl.store(dst + half, out2, mask=mask)
-    else:  # the loads do not wait for the slot (one memory round trip less at batch 1); slot -1 stores nothing
+    else:  # v and the slot loaded first, nothing waits on the slot (batch 1 latency); slot -1 stores nothing
         heads = (group - q_groups) * ROWS + tl.arange(0, ROWS)[:, None]
+        cols = tl.arange(0, BLOCK_D)[None, :]
+        values = tl.load(v + tok * stride_v_tok + heads * stride_v_head + cols,
+                         mask=(heads < num_kv_heads) & (cols < num_cols))
+        slot = tl.load(slot_mapping + tok + 0 * heads).to(tl.int64)  # [ROWS, 1]: the token's slot in every row
         if HAS_NORM:
             normed_row = k_normed + tok * num_kv_heads * num_cols
             _norm_rows(k + tok * stride_k_tok, stride_k_head, k_weight, normed_row, heads, num_kv_heads, num_cols,
                        eps, BLOCK_D)
             tl.debug_barrier()
-            out1, out2 = _rotate_rows(normed_row, num_cols, cos_row, sin_row, heads, num_kv_heads, half, BLOCK_HALF)
+            out1, out2 = _rotate_rows(normed_row, num_cols, c, s, heads, num_kv_heads, half, BLOCK_HALF)
         else:
-            out1, out2 = _rotate_rows(k + tok * stride_k_tok, stride_k_head, cos_row, sin_row, heads, num_kv_heads,
-                                      half, BLOCK_HALF)
-        cols = tl.arange(0, BLOCK_D)[None, :]
-        values = tl.load(v + tok * stride_v_tok + heads * stride_v_head + cols,
-                         mask=(heads < num_kv_heads) & (cols < num_cols))
-        slot = tl.load(slot_mapping + tok + 0 * heads).to(tl.int64)  # [ROWS, 1]: the token's slot in every row
+            out1, out2 = _rotate_rows(k + tok * stride_k_tok, stride_k_head, c, s, heads, num_kv_heads, half,
+                                      BLOCK_HALF)
         row_ok = (heads < num_kv_heads) & (slot >= 0)
         slot = tl.maximum(slot, 0)
         cache_row = (slot // block_size) * stride_cache_block + (slot % block_size) * stride_cache_pos
@@ -124,6 +130,7 @@ def _qk_norm_rope_store_kernel(
                  mask=mask)
         tl.store(v_cache + cache_row + cols, _to_cache(values, v_scale, heads, row_ok, cache_dtype, QUANTIZE),
                  mask=row_ok & (cols < num_cols))
+
 
 def rows_per_program(num_tokens: int, num_q_heads: int, num_kv_heads: int, on_device: bool) -> int:
     """Heads per program (and warps): 1 while the grid is small (batch 1: one program per head, all in
