@@ -101,7 +101,7 @@ def graph_ms(fn) -> float:
 
 def prologue(tokens: int, fused: bool, fp8: bool):
     """All layers' q/k norm + rotary + KV store over one step's qkv; a closure returning (q, k_cache, v_cache).
-    Every token has its own slot, but one in eight is padding (-1), as in a piecewise bucket."""
+    Every token has its own slot, but every eighth is padding (-1), as in a piecewise bucket."""
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device="cuda", generator=gen).to(torch.bfloat16)
     q = qkv[:, : HEADS * HEAD_DIM].view(tokens, HEADS, HEAD_DIM)
@@ -112,7 +112,7 @@ def prologue(tokens: int, fused: bool, fp8: bool):
     cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
     block = 16
     slots = torch.randperm(-(-tokens // block) * block, device="cuda", generator=gen)[:tokens]
-    slots[::8] = -1
+    slots[7::8] = -1
     shape = (-(-tokens // block), block, KV_HEADS, HEAD_DIM)
     k_cache = torch.zeros(shape, device="cuda", dtype=FP8_DTYPE if fp8 else torch.bfloat16)
     v_cache = torch.zeros_like(k_cache)
