@@ -132,15 +132,20 @@ def _qk_norm_rope_store_kernel(
                  mask=row_ok & (cols < num_cols))
 
 
-def rows_per_program(num_tokens: int, num_q_heads: int, num_kv_heads: int, on_device: bool) -> int:
+def rows_per_program(num_tokens: int, num_q_heads: int, num_kv_heads: int, on_device: bool,
+                     row_bytes: int = 0) -> int:
     """Heads per program (and warps): 1 while the grid is small (batch 1: one program per head, all in
     flight at once), up to 8 once ~1000+ programs remain (large token counts: fewer, fuller programs).
-    Under TRITON_INTERPRET (CPU tensors) every head of a kind in one program: the interpreter runs
-    programs one by one, and the bits do not depend on it."""
+    A padded head row (`row_bytes`) over 512 bytes (float32 at D = 256) stays 1: 32 lanes of 16-byte
+    chunks no longer span it, and with more warps than one a row would be split across two of them,
+    unlike rms_norm_pair's single warp. Under TRITON_INTERPRET (CPU tensors) every head of a kind in one
+    program: the interpreter runs programs one by one, and the bits do not depend on it."""
     widest = triton.next_power_of_2(max(num_q_heads, num_kv_heads))
     if not on_device:
         return widest
     rows = 1
+    if row_bytes > 32 * 16:
+        return rows
     while rows < min(8, widest) and num_tokens * (num_q_heads + num_kv_heads) >= 1024 * 2 * rows:
         rows *= 2
     return rows
@@ -199,7 +204,8 @@ def qk_norm_rope_store(
     if num_tokens == 0:
         return q_out
     num_kv_heads = k.shape[1]
-    rows = rows_per_program(num_tokens, num_q_heads, num_kv_heads, q.is_cuda)
+    rows = rows_per_program(num_tokens, num_q_heads, num_kv_heads, q.is_cuda,
+                            triton.next_power_of_2(head_dim) * q.element_size())
     groups = triton.cdiv(num_q_heads, rows) + triton.cdiv(num_kv_heads, rows)
     # the normed k between the two phases (the normed q goes through q_out)
     k_normed = torch.empty(k.shape, dtype=k.dtype, device=k.device) if has_norm else q_out

@@ -37,6 +37,15 @@ def test_fused_equals_the_unfused_kernels_bit_for_bit(tokens, hq, hkv, head_dim,
         assert_same_bits(got, want, f"{what} (heads per program {rows_per_program(tokens, hq, hkv, True)})")
 
 
+@pytest.mark.parametrize("tokens", [1, 1024])
+@pytest.mark.parametrize("head_dim,dtype", [(256, torch.float32), (256, torch.bfloat16), (128, torch.float32)])
+def test_wide_heads_and_float32(tokens, head_dim, dtype):
+    """The widest head rows the fusion takes: float32 at D = 256 keeps one head per program."""
+    layer = make_layer(tokens, 8, 4, head_dim, dtype, dtype, 16, True, seed=tokens)
+    for got, want, what in zip(fused(layer), unfused(layer), ("q", "k_cache", "v_cache")):
+        assert_same_bits(got, want, what)
+
+
 def test_every_grouping_is_exercised():
     """The token counts above cover every heads-per-program choice (1 .. 8) at the Qwen3-0.6B shape."""
     assert {rows_per_program(t, 16, 8, True) for t in (1, 7, 64, 128, 256, 1024, 8192)} == {1, 2, 4, 8}
