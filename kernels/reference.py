@@ -1,5 +1,5 @@
-"""Plain-torch oracles for the KV-cache write, paged attention, the small-batch GEMV and the
-sampling-noise hash.
+"""Plain-torch oracles for the KV-cache write (alone and after the q/k norm + rotary it is fused with),
+paged attention, the small-batch GEMV and the sampling-noise hash.
 
 They are the CPU path of the engine and the ground truth the Triton kernels are tested against.
 KV cache layout (every backend): [num_blocks, block_size, num_kv_heads, head_dim]. A
@@ -34,6 +34,42 @@ def store_kv_reference(
         return
     k_cache[blocks, offsets] = key[keep].to(k_cache.dtype)
     v_cache[blocks, offsets] = value[keep].to(v_cache.dtype)
+
+
+def qk_norm_rope_store_reference(
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    cos: torch.Tensor,  # [T, D/2]
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int; -1 = padding, skipped
+    q_weight: torch.Tensor | None = None,  # [D] per-head RMSNorm weights (Qwen3); None: no norm
+    k_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The chain `kernels/qk_norm_rope_store.py` fuses, op by op: per-head RMSNorm (float32, rounded to the
+    input dtype before the weight, as models/layers/norm.py), rotate-half rotary in float32 rounded once
+    (as kernels/rotary.py), then `store_kv_reference` of the rotated k and v. Returns the rotated q."""
+
+    def norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        return (normed.float() * weight.float()).to(x.dtype)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.float().chunk(2, dim=-1)
+        c, s = cos.float()[:, None], sin.float()[:, None]
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+    if q_weight is not None:
+        q, k = norm(q, q_weight), norm(k, k_weight)
+    q, k = rotate(q), rotate(k)
+    store_kv_reference(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return q
 
 
 def gather_kv_reference(

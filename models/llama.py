@@ -59,15 +59,26 @@ class LlamaAttention(nn.Module):
         """Hook on q [T, Hq, D] and k [T, Hkv, D] before rotary; Llama has none."""
         return q, k
 
+    def qk_norm(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """`transform_qk` as (q weight, k weight, eps) of a per-head RMSNorm, for the fused kernel; None: none."""
+        return None
+
     def project(self, hidden: torch.Tensor, norm: RMSNorm, residual: torch.Tensor | None, cos_sin: CosSin,
-                attn: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                attn: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
         """Residual add + `norm`, qkv projection (one launch at small batch: `forward_normed`), q/k transform,
-        rotary, K/V stored into the cache -> (q, k, v, residual stream), q/k/v each [T, heads * D]."""
+        rotary, K/V stored into the cache -> (q, k, v, residual stream), q/k/v each [T, heads * D]. On the
+        fused Triton path (a cache bound) k and v are only in the cache: (q, None, None, residual)."""
         num_tokens = hidden.shape[0]
         qkv, residual = self.qkv_proj.forward_normed(hidden, norm, residual)
         q, k, v = self.qkv_proj.split(qkv)
         q = q.reshape(num_tokens, -1, self.head_dim)
         k = k.reshape(num_tokens, -1, self.head_dim)
+        qk_norm = self.qk_norm()
+        if qk_norm is not None or type(self).transform_qk is LlamaAttention.transform_qk:  # other transforms: unfused
+            fused = self.attn.rotate_and_store(q, k, v, cos_sin, attn, qk_norm)
+            if fused is not None:
+                return fused.reshape(num_tokens, -1), None, None, residual
         q, k = self.transform_qk(q, k)
         q, k = apply_rotary(q, *cos_sin).reshape(num_tokens, -1), apply_rotary(k, *cos_sin).reshape(num_tokens, -1)
         self.attn.store(k, v, attn)
@@ -86,7 +97,8 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(shape, tp)
 
     def before_attention(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos_sin: CosSin,
-                         attn: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                         attn: AttentionMetadata
+                         ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
         """Residual add + norm, q/k/v with K/V stored -> (q, k, v, residual). Only `attn.slot_mapping` is
         read, so this half runs inside the piecewise CUDA graphs."""
         return self.self_attn.project(hidden, self.input_layernorm, residual, cos_sin, attn)

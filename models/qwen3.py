@@ -26,6 +26,9 @@ class Qwen3Attention(LlamaAttention):
             return rms_norm_pair(q, self.q_norm.weight, k, self.k_norm.weight, self.q_norm.eps)
         return self.q_norm(q), self.k_norm(k)
 
+    def qk_norm(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+        return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     attention_cls = Qwen3Attention

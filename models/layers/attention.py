@@ -1,5 +1,7 @@
 """Attention: store this step's K/V into the paged cache, then attend over each sequence's cache.
 
+On the Triton path the store is fused with the q/k norm and rotary before it (`rotate_and_store`).
+
 The layer owns no weights; it is the one place that knows the attention backends. Heads here are
 this rank's heads. The engine binds `k_cache`/`v_cache` ([num_blocks, block_size, num_kv_heads,
 head_dim]) after allocating the KV pool; before that (memory-profiling warm-up, fp8 scale
@@ -59,6 +61,27 @@ class Attention(nn.Module):
             from spmd_engine.kernels.kv_store import store_kv
 
             store_kv(k, v, self.k_cache, self.v_cache, attn.slot_mapping, self.k_scale, self.v_scale)
+
+    def rotate_and_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         cos_sin: tuple[torch.Tensor, torch.Tensor],
+                         attn: AttentionMetadata, qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None
+                         ) -> torch.Tensor | None:
+        """The Triton path with a cache bound: q/k per-head RMSNorm (`qk_norm` = (q weight, k weight, eps)),
+        rotary on q and k and the K/V store in one launch (kernels/qk_norm_rope_store.py, the same bits
+        as the separate kernels) -> the rotated q [T, Hq, D]. None where it does not apply (torch backend,
+        no cache yet: warm-up, fp8 calibration): the caller then runs norm, rotary and `store` itself.
+        Which one depends only on the layer and the shapes, so a captured graph always takes the same."""
+        if self.backend != "triton" or self.k_cache is None:
+            return None
+        from spmd_engine.kernels.qk_norm_rope_store import can_fuse, qk_norm_rope_store
+
+        num_tokens = q.shape[0]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if not can_fuse(q, k, v, *cos_sin, qk_norm is not None):
+            return None
+        q_weight, k_weight, eps = qk_norm if qk_norm is not None else (None, None, 0.0)
+        return qk_norm_rope_store(q, k, v, *cos_sin, self.k_cache, self.v_cache, attn.slot_mapping, q_weight,
+                                  k_weight, eps, self.k_scale, self.v_scale)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, attn: AttentionMetadata,
                out: torch.Tensor | None = None) -> torch.Tensor:

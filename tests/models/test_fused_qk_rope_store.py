@@ -1,0 +1,58 @@
+"""Llama and Qwen3 on the triton backend (TRITON_INTERPRET on CPU) take the fused q/k norm + rotary + KV
+store kernel once a cache is bound, one launch per layer, and produce what the unfused path produces."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import spmd_engine.kernels.qk_norm_rope_store as fused_module
+from spmd_engine.models.layers.attention import Attention
+from spmd_engine.models.loader import load_dummy_weights
+from spmd_engine.models.parallel import TensorParallel
+from spmd_engine.models.registry import build_model
+from tests.models.paged_runner import run_paged
+
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"),  # triton interpreter noise
+              pytest.mark.skipif(torch.cuda.is_available(), reason="Triton on CPU tensors needs TRITON_INTERPRET")]
+
+BASE = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 101, "max_position_embeddings": 64,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False, "eos_token_id": 1}
+PROMPTS = [[5, 9, 17, 3, 44, 2, 8], [7, 7, 60], [11, 90, 23, 4, 4, 31, 12, 70, 15]]
+
+
+def build(arch: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = build_model({**BASE, "architectures": [arch]}, TensorParallel.single(), "triton")
+    load_dummy_weights(model, 0)
+    with torch.no_grad():  # q and k norms far apart (dummy norms are all ~1): a swapped or dropped one shows
+        for i, layer in enumerate(model.decoder_layers()):
+            attention = layer.self_attn
+            if hasattr(attention, "q_norm"):
+                gen = torch.Generator().manual_seed(i)
+                attention.q_norm.weight.copy_(torch.rand(16, generator=gen) + 0.5)
+                attention.k_norm.weight.copy_(2 * torch.rand(16, generator=gen) + 0.1)
+    return model
+
+
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "LlamaForCausalLM"])
+def test_fused_path_matches_the_unfused_one(monkeypatch, arch):
+    model = build(arch)
+    calls = []
+    fused_kernel = fused_module.qk_norm_rope_store
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("q_weight", args[8] if len(args) > 8 else None) is not None)
+        return fused_kernel(*args, **kwargs)
+
+    monkeypatch.setattr(fused_module, "qk_norm_rope_store", counting)
+    fused = run_paged(model, PROMPTS, num_steps=3)
+    layers, steps = len(model.decoder_layers()), 1 + 3
+    assert len(calls) == layers * steps  # one launch per layer and step
+    assert all(calls) == (arch == "Qwen3ForCausalLM") and any(calls) == all(calls)  # norms exactly for Qwen3
+
+    monkeypatch.setattr(Attention, "rotate_and_store", lambda *args: None)  # the separate norm/rotary/store
+    unfused = run_paged(model, PROMPTS, num_steps=3, forced_tokens=fused.generated)
+    for got, want in zip(fused.prefill_logits + fused.decode_logits, unfused.prefill_logits + unfused.decode_logits):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert len(calls) == layers * steps
