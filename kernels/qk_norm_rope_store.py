@@ -153,9 +153,12 @@ def rows_per_program(num_tokens: int, num_q_heads: int, num_kv_heads: int, on_de
 
 def can_fuse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              has_norm: bool) -> bool:
-    """Whether `qk_norm_rope_store` takes these views as they are (otherwise the caller runs the parts)."""
+    """Whether `qk_norm_rope_store` takes these views as they are (otherwise the caller runs the parts).
+    A float32 model on CUDA keeps the separate kernels: on the H200 the fused kernel's float32 results
+    differ from theirs in the last bits (no rounding to a 16-bit type hides the compiler's other
+    contraction of the rotary / norm arithmetic), and the fusion must not change a token."""
     head_dim = q.shape[-1]
-    return (q.dim() == k.dim() == v.dim() == 3 and q.stride(2) == k.stride(2) == v.stride(2) == 1
+    return ((q.dtype != torch.float32 or q.device.type != "cuda") and q.dim() == k.dim() == v.dim() == 3 and q.stride(2) == k.stride(2) == v.stride(2) == 1
             and head_dim % 2 == 0 and k.shape[-1] == head_dim and cos.stride() == sin.stride()
             and cos.dim() == 2 and cos.stride(1) == 1
             and (not has_norm or triton.next_power_of_2(head_dim) <= MAX_NORM_HEAD_DIM))

@@ -110,6 +110,8 @@ CASES = [
 @pytest.mark.parametrize("tokens,hq,hkv,head_dim,dtype,cache_dtype,block_size,norms", CASES)
 def test_fused_equals_the_unfused_kernels_bit_for_bit(tokens, hq, hkv, head_dim, dtype, cache_dtype, block_size,
                                                       norms):
+    if DEVICE.type == "cuda" and dtype == torch.float32:
+        pytest.skip("float32 on CUDA is not routed to the fusion (can_fuse; tests/gpu/test_qk_norm_rope_store.py)")
     layer = make_layer(tokens, hq, hkv, head_dim, dtype, cache_dtype, block_size, norms, seed=tokens)
     for got, want, what in zip(fused(layer), unfused(layer), ("q", "k_cache", "v_cache")):
         assert_same_bits(got, want, what)
@@ -143,13 +145,13 @@ def test_close_to_the_torch_reference(norms, cache_dtype):
 
 
 def test_padding_rows_store_nothing_and_an_empty_batch_is_a_no_op():
-    layer = make_layer(4, 2, 2, 16, torch.float32, torch.float32, 4, True)
+    layer = make_layer(4, 2, 2, 16, torch.float16, torch.float16, 4, True)
     layer.slots.fill_(-1)
     q, k_cache, v_cache = fused(layer)
     assert_same_bits(k_cache, layer.k_cache, "k_cache")
     assert_same_bits(v_cache, layer.v_cache, "v_cache")
     assert_same_bits(q, unfused(layer)[0], "q")  # q is still computed for every row
-    empty = make_layer(0, 2, 2, 16, torch.float32, torch.float32, 4, True)
+    empty = make_layer(0, 2, 2, 16, torch.float16, torch.float16, 4, True)
     assert fused(empty)[0].shape == (0, 2, 16)
 
 
