@@ -10,12 +10,7 @@ Pick `SMALL_BATCH_MAX_M` (models/layers/linear.py) from the last M where the GEM
 `--sweep` also times a few block choices per shape at M=1 and M=16 and prints the best as
 `GEMV_TABLE` entries to paste into kernels/gemv.py.
 
-The norm-GEMV (`rms_norm_gemv`: residual add + RMSNorm in the GEMV's prologue) is timed against the
-rms_norm launch followed by the GEMV at the shapes that follow a norm (qkv, gate_up), M=1 and 16, the
-same way; it checks that both give the same bits and says whether the layers fuse there
-(`rms_norm_gemv_exact`). `--norm` runs only that part.
-
-Run: `PYTHONPATH=. python kernels/bench_gemv.py [--model qwen3|qwen3_8b|all] [--sweep] [--norm]`.
+Run: `PYTHONPATH=. python kernels/bench_gemv.py [--model qwen3|qwen3_8b|all] [--sweep]`.
 """
 from __future__ import annotations
 
@@ -27,14 +22,11 @@ import triton
 import triton.testing
 
 from spmd_engine.kernels.bench_fused_ops import graph_ms
-from spmd_engine.kernels.gemv import GemvConfig, gemv, gemv_config, rms_norm_gemv, rms_norm_gemv_exact
-from spmd_engine.kernels.rms_norm import rms_norm
+from spmd_engine.kernels.gemv import GemvConfig, gemv, gemv_config
 
 # name -> (layers, hidden, q heads x head_dim, kv heads x head_dim, intermediate, vocab)
 MODELS = {"qwen3": (28, 1024, 2048, 1024, 3072, 151936), "qwen3_8b": (36, 4096, 4096, 1024, 12288, 151936)}
 BATCHES = (1, 2, 4, 8, 16)
-NORM_BATCHES = (1, 16)  # M of the norm-GEMV comparison
-EPS = 1e-6
 MIN_BYTES = 256 << 20  # weight bytes per timed graph: far above the H200's 50 MB L2
 DTYPE = torch.bfloat16
 DEVICE = "cuda"
@@ -60,25 +52,14 @@ class Case:
         copies = max(1, -(-MIN_BYTES // (n * k * 2)))
         self.weights = [torch.randn(n, k, device=DEVICE, dtype=DTYPE) * k**-0.5 for _ in range(copies)]
         self.xs = {m: torch.randn(m, k, device=DEVICE, dtype=DTYPE) for m in BATCHES}
-        self.residuals = {m: torch.randn(m, k, device=DEVICE, dtype=DTYPE) for m in BATCHES}
-        self.norm_weight = 1 + 0.1 * torch.randn(k, device=DEVICE, dtype=DTYPE)
 
     def bytes(self, m: int) -> int:
         return 2 * (self.n * self.k + m * self.k + m * self.n)
 
     def time(self, m: int, kind: str, config: GemvConfig | None = None) -> float:
-        """kind: cublas | gemv | gemv2 (split-K summed by a second launch) | norm+gemv (the residual add +
-        rms_norm launch, then the GEMV) | norm_gemv (both in one launch, `rms_norm_gemv`)."""
-        x, res, norm_w = self.xs[m], self.residuals[m], self.norm_weight
-        if kind == "norm+gemv":
-            def run():
-                for w in self.weights:
-                    gemv(rms_norm(x, norm_w, EPS, res)[0], w, config=config)
-        elif kind == "norm_gemv":
-            def run():
-                for w in self.weights:
-                    rms_norm_gemv(x, norm_w, EPS, w, res, config=config)
-        elif kind == "cublas":
+        """kind: cublas | gemv | gemv2 (split-K summed by a second launch)."""
+        x = self.xs[m]
+        if kind == "cublas":
             def run():
                 for w in self.weights:
                     torch.mm(x, w.t())
@@ -112,32 +93,6 @@ def compare(name: str) -> None:
     for m, (t_cublas, t_gemv, t_gemv2) in totals.items():
         print(f"  M={m:>2}: cuBLAS {t_cublas / 1e3:.3f}  gemv {t_gemv / 1e3:.3f}  gemv 2-launch {t_gemv2 / 1e3:.3f}  "
               f"saved {(t_cublas - t_gemv) / 1e3:+.3f}")
-
-
-def compare_norm(name: str) -> None:
-    """The norm-GEMV against rms_norm + GEMV at the projections that follow a decoder layer's norms."""
-    layers = MODELS[name][0]
-    shapes = {proj: nk for proj, nk in model_shapes(name).items() if proj in ("qkv", "gate_up")}
-    print(f"\n{name} ({DTYPE}): residual add + RMSNorm + projection, µs per call (each norm input 2 x M x K)")
-    print(f"{'proj':>8} {'N':>7} {'K':>6} {'M':>3} {'norm+gemv':>10} {'norm_gemv':>10} {'saved':>7}  "
-          f"same bits  layers fuse")
-    saved = dict.fromkeys(NORM_BATCHES, 0.0)
-    for proj, (n, k, count) in shapes.items():
-        case = Case(n, k)
-        exact = rms_norm_gemv_exact(k, gemv_config(n, k, 2))
-        for m in NORM_BATCHES:
-            x, res, w = case.xs[m], case.residuals[m], case.weights[0]
-            normed, summed = rms_norm(x, case.norm_weight, EPS, res)
-            out, new_res = rms_norm_gemv(x, case.norm_weight, EPS, w, res)
-            same = torch.equal(out, gemv(normed, w)) and torch.equal(new_res, summed)
-            two, one = case.time(m, "norm+gemv"), case.time(m, "norm_gemv")
-            saved[m] += count * (two - one) if exact else 0.0
-            print(f"{proj:>8} {n:>7} {k:>6} {m:>3} {two:>10.1f} {one:>10.1f} {two - one:>+7.1f}  {same!s:>9}  "
-                  f"{'yes' if exact else 'no (norm and GEMV num_warps differ)'}")
-        del case
-        torch.cuda.empty_cache()
-    for m, us in saved.items():
-        print(f"  M={m:>2}: one decode step ({layers} layers x 2 norms) saves {us / 1e3:.3f} ms where the layers fuse")
 
 
 def candidates(n: int, k: int) -> list[GemvConfig]:
@@ -182,14 +137,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=[*MODELS, "all"], default="all")
     parser.add_argument("--sweep", action="store_true", help="also time block choices per shape")
-    parser.add_argument("--norm", action="store_true", help="only the norm-GEMV against rms_norm + GEMV")
     args = parser.parse_args()
     names = list(MODELS) if args.model == "all" else [args.model]
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     for name in names:
-        if not args.norm:
-            compare(name)
-        compare_norm(name)
+        compare(name)
     if args.sweep:
         for name in names:
             sweep(name)

@@ -18,9 +18,6 @@ Design:
   float32 logits).
 - `gated`: x holds a SwiGLU's packed gate | up and the input is silu(gate) * up, computed while
   loading x (`kernels/silu_and_mul.silu_mul`, so the same bits as the separate launch).
-- `rms_norm_gemv`: the decoder layer's residual add + RMSNorm before qkv_proj / gate_up_proj runs in
-  the prologue (every program reduces its rows' rms over the whole K; the first N tile writes the new
-  residual), the same bits as `kernels/rms_norm.rms_norm` then the GEMV where `rms_norm_gemv_exact`.
 
 Determinism: BLOCK_M is always 16 (`GEMV_MAX_M`; padding rows load zeros) and M is a runtime
 argument that Triton does not specialise on, so every M <= 16 runs the same compiled kernel; an
@@ -42,7 +39,6 @@ import torch
 import triton
 import triton.language as tl
 
-from spmd_engine.kernels.rms_norm import add_residual, inv_rms, norm_launch_options, scale_normed
 from spmd_engine.kernels.silu_and_mul import silu_mul
 
 GEMV_MAX_M = 16  # the kernel's BLOCK_M: the largest M it takes (tl.dot needs a dim >= 16)
@@ -113,12 +109,11 @@ def _split_counters(device: torch.device, count: int) -> torch.Tensor:
 
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(
-    x, w, bias, out, partial, counters, residual, norm_w, residual_out,
-    M, N, K, stride_xm, stride_wn, stride_om, stride_rm, k_per_split, eps,
+    x, w, bias, out, partial, counters,
+    M, N, K, stride_xm, stride_wn, stride_om, k_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, ONE_LAUNCH: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     EVEN_N: tl.constexpr, PRECISION: tl.constexpr, GATED: tl.constexpr,
-    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM_BLOCK: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -131,22 +126,6 @@ def _gemv_kernel(
         w_ids = tl.where(n_ok, rows_n, 0)  # the last tile re-reads row 0 instead of masking every load
     w_rows = w + w_ids.to(tl.int64)[:, None] * stride_wn
     x_rows = x + rows_m.to(tl.int64)[:, None] * stride_xm
-    if NORM:
-        # RMSNorm prologue: each program needs every row's 1/rms over the WHOLE K (its slice alone is not
-        # enough), so it reduces each real row as rms_norm does: one [NORM_BLOCK] row, the same helpers
-        # (and, by the caller's choice of num_warps, the same layout and so the same summation order).
-        norm_cols = tl.arange(0, NORM_BLOCK)
-        norm_ok = norm_cols < K
-        row_inv = tl.zeros((BLOCK_M,), dtype=tl.float32)  # padding rows: 0 (their input is zeros)
-        for r in range(M):
-            values = tl.load(x + r * stride_xm + norm_cols, mask=norm_ok, other=0.0)  # r < 16: no int32 overflow
-            if HAS_RESIDUAL:
-                res = tl.load(residual + r * stride_rm + norm_cols, mask=norm_ok, other=0.0)
-                values = add_residual(values, res, w.dtype.element_ty)
-            row_inv = tl.where(rows_m == r, inv_rms(values, K, eps), row_inv)
-        res_rows = residual + rows_m.to(tl.int64)[:, None] * stride_rm
-        res_out_rows = residual_out + rows_m.to(tl.int64)[:, None] * K
-        res_rows_ok = rows_m < tl.where(pid_n == 0, M, 0)  # only the first N tile writes the residual
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -160,17 +139,6 @@ def _gemv_kernel(
             w_tile = tl.load(w_rows + cols[None, :], mask=k_ok[None, :], other=0.0)
             x_mask = m_ok[:, None] & k_ok[None, :]
         x_tile = tl.load(x_rows + cols[None, :], mask=x_mask, other=0.0)
-        if NORM:  # the input is rms_norm's output, rounded as it rounds it
-            if HAS_RESIDUAL:
-                x_tile = add_residual(x_tile, tl.load(res_rows + cols[None, :], mask=x_mask, other=0.0),
-                                      w_tile.dtype)
-                # the new residual stream, written once: by the first N tile's programs, each its K slice
-                tl.store(res_out_rows + cols[None, :], x_tile, mask=x_mask & res_rows_ok[:, None])
-            if EVEN_K:
-                norm_w_tile = tl.load(norm_w + cols)
-            else:
-                norm_w_tile = tl.load(norm_w + cols, mask=k_ok, other=0.0)
-            x_tile = scale_normed(x_tile, row_inv[:, None], norm_w_tile[None, :], w_tile.dtype)
         if GATED:  # x rows are [gate | up] of width 2K: the input is silu(gate) * up, as silu_and_mul rounds it
             x_tile = silu_mul(x_tile, tl.load(x_rows + K + cols[None, :], mask=x_mask, other=0.0),
                               w_tile.dtype)
@@ -258,92 +226,22 @@ def gemv(
 
     `gated`: the same bits as `gemv(silu_and_mul(x), ...)`, without the activation's launch."""
     x2, out_dtype = _checked_operands(x, weight, bias, out_dtype, gated)
-    out = _launch(x2, weight, bias, out_dtype, config, one_launch, gated=gated)
-    return out.view(*x.shape[:-1], weight.shape[0])
-
-
-@dataclass(frozen=True)
-class _NormPrologue:
-    """The RMSNorm a norm-GEMV applies to its input rows: [M, K] residual rows (or None), weight, eps, and
-    where the new residual stream x + residual goes."""
-
-    residual: torch.Tensor | None
-    weight: torch.Tensor
-    eps: float
-    residual_out: torch.Tensor | None
-
-
-def rms_norm_gemv_exact(k: int, config: GemvConfig) -> bool:
-    """Whether `rms_norm_gemv` with this block choice gives `rms_norm` + `gemv`'s bits: its prologue reduces
-    each row under the GEMV's num_warps, so that must be the norm kernel's for rows of k (`tl.sum`'s order
-    follows the layout). Qwen3-0.6B's hidden 1024: both 4. Callers that promise the same tokens check it."""
-    return config.num_warps == norm_launch_options(k)["num_warps"]
-
-
-def rms_norm_gemv(
-    x: torch.Tensor,  # [..., K], 1 <= rows <= GEMV_MAX_M, last dim contiguous
-    norm_weight: torch.Tensor,  # [K], the RMSNorm's weight
-    eps: float,
-    weight: torch.Tensor,  # [N, K], rows contiguous, same dtype as x
-    residual: torch.Tensor | None = None,  # x's shape, last dim contiguous
-    bias: torch.Tensor | None = None,  # [N]
-    out_dtype: torch.dtype | None = None,  # None: x.dtype; or torch.float32
-    config: GemvConfig | None = None,  # None: gemv_config(N, K, element size)
-    one_launch: bool | None = None,  # None: SPLIT_K_ONE_LAUNCH
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """`gemv(rms_norm(x, norm_weight, eps, residual), weight, bias)` in one launch: the residual add and
-    the norm run in the GEMV's prologue. With `residual`, returns (y, x + residual), as rms_norm does.
-
-    Why: at decode batch 1 every decoder layer's two norms are ~1.5 us launches of their own, each
-    followed by a GEMV (qkv_proj, gate_up_proj). Each program recomputes its rows' rms over the whole
-    K (M <= 16 rows of K <= a few thousand: L2 reads, no extra launch); the programs of the first N
-    tile write the new residual, each its K slice. The GEMV input and the residual are rms_norm's bits
-    (the same rounding steps, `kernels/rms_norm.py` helpers) where `rms_norm_gemv_exact(K, config)`;
-    the determinism rule is the GEMV's (one compiled kernel for every M <= 16).
-    """
-    x2, out_dtype = _checked_operands(x, weight, bias, out_dtype, gated=False)
-    k = weight.shape[1]
-    if norm_weight.shape != (k,) or not norm_weight.is_contiguous():
-        raise ValueError(f"rms_norm_gemv: norm_weight must be a contiguous [{k}], got {tuple(norm_weight.shape)}")
-    res2 = residual_out = None
-    if residual is not None:
-        if residual.shape != x.shape:
-            raise ValueError(f"rms_norm_gemv: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
-        res2 = residual.reshape(-1, k)
-        if res2.stride(-1) != 1:
-            res2 = res2.contiguous()
-        residual_out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    norm = _NormPrologue(res2, norm_weight, float(eps), residual_out)
-    out = _launch(x2, weight, bias, out_dtype, config, one_launch, norm=norm).view(*x.shape[:-1], weight.shape[0])
-    return out if residual_out is None else (out, residual_out.view(x.shape))
-
-
-def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
-            config: GemvConfig | None, one_launch: bool | None, gated: bool = False,
-            norm: _NormPrologue | None = None) -> torch.Tensor:
-    """The GEMV kernel (and the split sum where it takes a second launch) over checked rows x2 -> [M, N]."""
     (m, _), (n, k) = x2.shape, weight.shape
-    cfg = config or gemv_config(n, k, x2.element_size())
+    cfg = config or gemv_config(n, k, x.element_size())
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k) * cfg.block_k
     split = triton.cdiv(k, k_per_split)  # == cfg.split_k for table/heuristic configs
-    out = torch.empty(m, n, dtype=out_dtype, device=x2.device)
-    partial = torch.empty(split, m, n, dtype=torch.float32, device=x2.device) if split > 1 else out
+    out = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     bias_arg = bias if bias is not None else weight
     n_tiles = triton.cdiv(n, cfg.block_n)
     one_launch = (SPLIT_K_ONE_LAUNCH if one_launch is None else one_launch) and split > 1
-    counters = _split_counters(x2.device, n_tiles) if one_launch else partial
-    has_residual = norm is not None and norm.residual is not None
-    residual = norm.residual if has_residual else x2
+    counters = _split_counters(x.device, n_tiles) if one_launch else partial
     _gemv_kernel[(n_tiles, split)](
         x2, weight, bias_arg, out, partial, counters,
-        residual, norm.weight if norm is not None else weight, norm.residual_out if has_residual else x2,
-        m, n, k, x2.stride(0), weight.stride(0), out.stride(0), residual.stride(0), k_per_split,
-        norm.eps if norm is not None else 0.0,
+        m, n, k, x2.stride(0), weight.stride(0), out.stride(0), k_per_split,
         BLOCK_M=GEMV_MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split, ONE_LAUNCH=one_launch,
         HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0,
-        PRECISION="ieee" if x2.dtype == torch.float32 else None, GATED=gated,
-        NORM=norm is not None, HAS_RESIDUAL=has_residual,
-        NORM_BLOCK=norm_launch_options(k)["BLOCK"] if norm is not None else 1,
+        PRECISION="ieee" if x.dtype == torch.float32 else None, GATED=gated,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split > 1 and not one_launch:
@@ -351,4 +249,4 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, o
             partial, bias_arg, out, m, n, out.stride(0),
             SPLIT=split, HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK, num_warps=4,
         )
-    return out
+    return out.view(*x.shape[:-1], n)

@@ -26,42 +26,20 @@ def _rms_norm_kernel(
     values = tl.load(x + tok * stride_x_tok + head * stride_x_head + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         res = tl.load(residual + row.to(tl.int64) * stride_res_row + cols, mask=mask, other=0.0)
-        values = add_residual(values, res, out.dtype.element_ty)
+        values = (values.to(tl.float32) + res.to(tl.float32)).to(out.dtype.element_ty)
         tl.store(residual_out + row.to(tl.int64) * num_cols + cols, values, mask=mask)
     w = tl.load(weight + cols, mask=mask, other=0.0)
     tl.store(out + row.to(tl.int64) * num_cols + cols, _normalize(values, w, num_cols, eps, out.dtype.element_ty),
              mask=mask)
 
 
-# The pieces below are shared with the norm-GEMV prologue (kernels/gemv.py `rms_norm_gemv`), which must
-# give the same bits as this kernel followed by the GEMV.
-@triton.jit
-def add_residual(values, res, dtype: tl.constexpr):
-    """x + residual summed in float32 and rounded to `dtype`: the residual stream the next layer reads."""
-    return (values.to(tl.float32) + res.to(tl.float32)).to(dtype)
-
-
-@triton.jit
-def inv_rms(values, num_cols, eps):
-    """1 / rms of one row `values` [BLOCK] (zeros past num_cols) in float32. The reduction order of
-    tl.sum follows the layout, i.e. BLOCK, the element type and num_warps: a caller that must match
-    `rms_norm` bitwise reduces the same [BLOCK] row under `norm_launch_options(num_cols)["num_warps"]`."""
-    xf = values.to(tl.float32)
-    return tl.rsqrt(tl.sum(xf * xf, axis=0) / num_cols + eps)
-
-
-@triton.jit
-def scale_normed(values, inv, w, dtype: tl.constexpr):
-    """w * (x * inv_rms): the product rounded to `dtype` before the weight multiply, as HF does.
-    Broadcasts: values [..., C] with inv [..., 1] and w [C]."""
-    normed = (values.to(tl.float32) * inv).to(dtype).to(tl.float32)
-    return (normed * w.to(tl.float32)).to(dtype)
-
-
 @triton.jit
 def _normalize(values, w, num_cols, eps, dtype: tl.constexpr):
     """w * (x / rms(x)) with the normalisation in float32, rounded to `dtype` before the weight."""
-    return scale_normed(values, inv_rms(values, num_cols, eps), w, dtype)
+    xf = values.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / num_cols + eps)
+    normed = (xf * inv_rms).to(dtype).to(tl.float32)
+    return (normed * w.to(tl.float32)).to(dtype)
 
 
 @triton.jit
@@ -88,8 +66,7 @@ def _rms_norm_pair_kernel(
     tl.store(b_out + (tok * heads_b + head_b) * num_cols + cols, normed, mask=mask_b)
 
 
-def norm_launch_options(num_cols: int) -> dict[str, int]:
-    """BLOCK (one whole row) and num_warps of the norm kernels for rows of `num_cols`."""
+def _launch_options(num_cols: int) -> dict[str, int]:
     block = triton.next_power_of_2(num_cols)
     return {"BLOCK": block, "num_warps": 1 if block <= 256 else (4 if block <= 2048 else 8)}
 
@@ -116,7 +93,7 @@ def rms_norm_pair(
     if rows:
         _rms_norm_pair_kernel[(rows,)](
             a, b, a_weight, b_weight, a_out, b_out, a.shape[1], b.shape[1],
-            a.stride(0), a.stride(1), b.stride(0), b.stride(1), num_cols, eps, **norm_launch_options(num_cols),
+            a.stride(0), a.stride(1), b.stride(0), b.stride(1), num_cols, eps, **_launch_options(num_cols),
         )
     return a_out, b_out
 
@@ -149,6 +126,6 @@ def rms_norm(
         _rms_norm_kernel[(rows,)](
             x, residual if residual is not None else x, weight, out, residual_out,
             heads, x.stride(0), stride_head, residual.stride(0) if residual is not None else 0, num_cols, eps,
-            HAS_RESIDUAL=residual is not None, **norm_launch_options(num_cols),
+            HAS_RESIDUAL=residual is not None, **_launch_options(num_cols),
         )
     return out if residual is None else (out, residual_out)

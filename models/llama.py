@@ -35,12 +35,6 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(x), gated=True)
 
-    def forward_normed(self, x: torch.Tensor, norm: RMSNorm, residual: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(self(norm(x + residual)), x + residual)`; at small batch the norm runs inside gate_up_proj's GEMV."""
-        gate_up, residual = self.gate_up_proj.forward_normed(x, norm, residual)
-        return self.down_proj(gate_up, gated=True), residual
-
 
 class LlamaAttention(nn.Module):
     """qkv projection -> (per-head q/k transform) -> rotary -> paged attention -> output projection; the
@@ -63,31 +57,27 @@ class LlamaAttention(nn.Module):
         """`transform_qk` as (q weight, k weight, eps) of a per-head RMSNorm, for the fused kernel; None: none."""
         return None
 
-    def project(self, hidden: torch.Tensor, norm: RMSNorm, residual: torch.Tensor | None, cos_sin: CosSin,
-                attn: AttentionMetadata
-                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-        """Residual add + `norm`, qkv projection (one launch at small batch: `forward_normed`), q/k transform,
-        rotary, K/V stored into the cache -> (q, k, v, residual stream), q/k/v each [T, heads * D]. On the
-        fused Triton path (a cache bound) k and v are only in the cache: (q, None, None, residual)."""
+    def project(self, hidden: torch.Tensor, cos_sin: CosSin, attn: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """qkv projection, q/k transform, rotary, K/V stored into the cache -> (q, k, v), each [T, heads * D].
+        On the fused Triton path (a cache bound) k and v are only in the cache: (q, None, None)."""
         num_tokens = hidden.shape[0]
-        qkv, residual = self.qkv_proj.forward_normed(hidden, norm, residual)
-        q, k, v = self.qkv_proj.split(qkv)
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         q = q.reshape(num_tokens, -1, self.head_dim)
         k = k.reshape(num_tokens, -1, self.head_dim)
         qk_norm = self.qk_norm()
         if qk_norm is not None or type(self).transform_qk is LlamaAttention.transform_qk:  # other transforms: unfused
             fused = self.attn.rotate_and_store(q, k, v, cos_sin, attn, qk_norm)
             if fused is not None:
-                return fused.reshape(num_tokens, -1), None, None, residual
+                return fused.reshape(num_tokens, -1), None, None
         q, k = self.transform_qk(q, k)
         q, k = apply_rotary(q, *cos_sin).reshape(num_tokens, -1), apply_rotary(k, *cos_sin).reshape(num_tokens, -1)
         self.attn.store(k, v, attn)
-        return q, k, v, residual
+        return q, k, v
 
 
 class LlamaDecoderLayer(nn.Module):
-    """x + attn(norm(x)), then + mlp(norm(.)); the residual adds are fused into the next norm, and at small
-    batch on CUDA each norm into the projection after it (`ColumnParallelLinear.forward_normed`)."""
+    """x + attn(norm(x)), then + mlp(norm(.)); the residual adds are fused into the next norm."""
 
     def __init__(self, shape: ModelShape, tp: TensorParallel, backend: str, attention_cls: type[LlamaAttention]):
         super().__init__()
@@ -101,11 +91,17 @@ class LlamaDecoderLayer(nn.Module):
                          ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
         """Residual add + norm, q/k/v with K/V stored -> (q, k, v, residual). Only `attn.slot_mapping` is
         read, so this half runs inside the piecewise CUDA graphs."""
-        return self.self_attn.project(hidden, self.input_layernorm, residual, cos_sin, attn)
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        q, k, v = self.self_attn.project(hidden, cos_sin, attn)
+        return q, k, v, residual
 
     def after_attention(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """o_proj, residual add + norm, MLP -> (this layer's MLP output, the residual stream before it)."""
-        return self.mlp.forward_normed(self.self_attn.o_proj(attn_out), self.post_attention_layernorm, residual)
+        hidden, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn_out), residual)
+        return self.mlp(hidden), residual
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos_sin: CosSin,
                 attn: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,10 +9,6 @@ Every matmul here and in the LM head goes through `linear`: on CUDA, bf16/fp16 i
 SMALL_BATCH_MAX_M rows (decode at small batch) take the Triton split-K GEMV (`kernels/gemv.py`),
 which reads the weights near bandwidth where cuBLAS does not; everything else takes cuBLAS / torch.
 The engine key `small_batch_gemv: false` turns the GEMV off (`set_small_batch_gemv`).
-
-The column-parallel layers that follow a decoder layer's RMSNorm (qkv_proj, gate_up_proj) take the
-norm too (`forward_normed`): on the GEMV path the residual add and the norm run in the GEMV's
-prologue (`kernels/gemv.py rms_norm_gemv`), one launch instead of two, the same bits.
 """
 from __future__ import annotations
 
@@ -23,7 +19,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from spmd_engine.models.layers.activation import silu_and_mul
-from spmd_engine.models.layers.norm import RMSNorm
 from spmd_engine.models.layers.weight_loading import copy_checked, new_parameter, replicated_loader
 from spmd_engine.models.parallel import TensorParallel
 
@@ -59,20 +54,6 @@ def use_small_batch_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     return (1 <= rows <= SMALL_BATCH_MAX_M and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
             and weight.dim() == 2 and weight.stride(1) == 1 and _gemv_device(x))
-
-
-def use_rms_norm_gemv(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> bool:
-    """Whether norm-then-matmul may run as one norm-GEMV with the bits of the two launches it replaces:
-    the GEMV route (`use_small_batch_gemv`), x [T, K] as RMSNorm sends it to the Triton kernel, and a block
-    choice under which the fused prologue sums like rms_norm (`rms_norm_gemv_exact`)."""
-    if x.dim() != 2 or x.stride(-1) != 1 or not use_small_batch_gemv(x, weight):
-        return False
-    if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
-        return False
-    from spmd_engine.kernels.gemv import gemv_config, rms_norm_gemv_exact
-
-    n, k = weight.shape
-    return rms_norm_gemv_exact(k, gemv_config(n, k, x.element_size()))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -138,21 +119,6 @@ class ColumnParallelLinear(SmallBatchSwitch, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, small_batch_gemv=self.small_batch_gemv)
-
-    def forward_normed(self, x: torch.Tensor, norm: RMSNorm, residual: torch.Tensor | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(self(norm(x + residual)), x + residual)`, or `(self(norm(x)), x)` without a residual: a decoder
-        layer's residual add + norm + projection. On the GEMV route one launch (`rms_norm_gemv`): the norm
-        runs in the GEMV's prologue and the result is the same bits as the norm launch then the GEMV."""
-        if self.small_batch_gemv and use_rms_norm_gemv(x, self.weight, residual):
-            from spmd_engine.kernels.gemv import rms_norm_gemv
-
-            out = rms_norm_gemv(x, norm.weight, norm.eps, self.weight, residual, self.bias)
-            return (out, x) if residual is None else out
-        if residual is None:
-            return self(norm(x)), x
-        hidden, residual = norm(x, residual)
-        return self(hidden), residual
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):

@@ -3,9 +3,8 @@ import pytest
 import torch
 
 from spmd_engine.kernels import gemv as gemv_module
-from spmd_engine.kernels.gemv import GEMV_MAX_M, GemvConfig, gemv, gemv_config, rms_norm_gemv, rms_norm_gemv_exact
+from spmd_engine.kernels.gemv import GEMV_MAX_M, GemvConfig, gemv, gemv_config
 from spmd_engine.kernels.reference import linear_reference
-from spmd_engine.kernels.rms_norm import rms_norm
 from spmd_engine.kernels.silu_and_mul import silu_and_mul
 from tests.kernels.paged_batch import DEVICE
 
@@ -78,71 +77,6 @@ def test_gated_input_is_silu_and_mul_fused(config):
     assert torch.equal(fused, gemv(silu_and_mul(gate_up), w, b, config=config))
     with pytest.raises(ValueError, match="2K"):
         gemv(gate_up[:, :80], w, gated=True)
-
-
-def norm_operands(m, k, dtype, seed):
-    gen = torch.Generator().manual_seed(seed)
-    x = (3 * torch.randn(m, k, generator=gen)).to(dtype).to(DEVICE)
-    res = torch.randn(m, k, generator=gen).to(dtype).to(DEVICE)
-    norm_w = (1 + 0.2 * torch.randn(k, generator=gen)).to(dtype).to(DEVICE)
-    return x, res, norm_w
-
-
-@pytest.mark.parametrize("config", [SPLIT3, SPLIT3_RAGGED, WHOLE_K], ids=["split3", "split3-ragged-k", "whole-k"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "no-residual"])
-def test_rms_norm_gemv_is_rms_norm_then_gemv(config, dtype, with_residual):
-    """The norm in the GEMV's prologue: the output and the new residual are the bits of the rms_norm launch
-    followed by the GEMV, for M = 1, 3, 16; and row i does not depend on M (one compiled kernel)."""
-    x, res, norm_w = norm_operands(GEMV_MAX_M, 80, dtype, seed=7)
-    _, w, b = operands(1, 40, 80, dtype, seed=8, bias=True)
-    residual = res if with_residual else None
-    full = rms_norm_gemv(x, norm_w, 1e-6, w, residual, b, config=config)
-    for m in (1, 3, GEMV_MAX_M):
-        fused = rms_norm_gemv(x[:m], norm_w, 1e-6, w, residual[:m] if with_residual else None, b, config=config)
-        if with_residual:
-            normed, summed = rms_norm(x[:m], norm_w, 1e-6, res[:m])
-            fused, fused_sum = fused
-            assert torch.equal(fused_sum, summed), m
-            assert torch.equal(fused_sum, full[1][:m]), m
-        else:
-            normed = rms_norm(x[:m], norm_w, 1e-6)
-        assert fused.dtype == dtype and fused.shape == (m, 40)
-        assert torch.equal(fused, gemv(normed, w, b, config=config)), m
-        assert torch.equal(fused, (full[0] if with_residual else full)[:m]), m
-
-
-@pytest.mark.parametrize("config", [SPLIT3, SPLIT3_RAGGED], ids=["split3", "split3-ragged-k"])
-def test_rms_norm_gemv_split_sum_in_one_or_two_launches(config):
-    """float32 output (row-parallel style) and the split sum by the last program or a second launch."""
-    x, res, norm_w = norm_operands(3, 80, torch.float16, seed=9)
-    _, w, _ = operands(1, 40, 80, torch.float16, seed=10)
-    normed, summed = rms_norm(x, norm_w, 1e-5, res)
-    for one_launch in (True, False):
-        out, new_res = rms_norm_gemv(x, norm_w, 1e-5, w, res, out_dtype=torch.float32, config=config,
-                                     one_launch=one_launch)
-        assert torch.equal(new_res, summed)
-        assert torch.equal(out, gemv(normed, w, out_dtype=torch.float32, config=config, one_launch=False))
-    assert not gemv_module._COUNTERS[x.device].any()
-
-
-def test_rms_norm_gemv_bad_calls_are_rejected():
-    x, res, norm_w = norm_operands(2, 32, torch.float32, seed=11)
-    _, w, _ = operands(1, 16, 32, torch.float32)
-    with pytest.raises(ValueError, match="norm_weight"):
-        rms_norm_gemv(x, norm_w[:16], 1e-6, w)
-    with pytest.raises(ValueError, match="residual shape"):
-        rms_norm_gemv(x, norm_w, 1e-6, w, res[:1])
-    with pytest.raises(ValueError, match="rows must be"):
-        rms_norm_gemv(x.repeat(9, 1), norm_w, 1e-6, w)
-
-
-def test_rms_norm_gemv_is_exact_at_qwen3_0_6b_shapes():
-    """The fused prologue reduces under the GEMV's num_warps: at Qwen3-0.6B's qkv and gate_up (K = 1024)
-    that is the norm kernel's, so the decoder layers fuse there."""
-    for n in (4096, 6144):
-        assert rms_norm_gemv_exact(1024, gemv_config(n, 1024, 2)), n
-    assert not rms_norm_gemv_exact(4096, GemvConfig(64, 128, 4, num_warps=4))  # the norm runs 8 warps at 4096
 
 
 def test_default_config_and_leading_dims():

@@ -3,11 +3,9 @@ import torch
 import torch.nn.functional as F
 
 from spmd_engine.kernels import gemv as gemv_module
-from spmd_engine.kernels.rms_norm import rms_norm
 from spmd_engine.models.layers import linear as linear_module
 from spmd_engine.models.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
                                   RowParallelLinear, SmallBatchSwitch, matmul_fp32_out, set_small_batch_gemv)
-from spmd_engine.models.layers.norm import RMSNorm
 from spmd_engine.models.parallel import TensorParallel
 from spmd_engine.models.registry import build_model
 
@@ -167,60 +165,3 @@ def test_the_switch_reaches_every_matmul_layer_and_the_lm_head():
     assert not any(m.small_batch_gemv for m in switches)
     set_small_batch_gemv(model, True)
     assert all(m.small_batch_gemv for m in switches)
-
-
-@pytest.fixture
-def norm_gemv_calls(monkeypatch):
-    """CPU tensors take the GEMV route (TRITON_INTERPRET); record each fused norm-GEMV call's rows."""
-    calls, real = [], gemv_module.rms_norm_gemv
-
-    def spy(x, norm_weight, eps, weight, residual=None, bias=None, **kwargs):
-        calls.append((x.shape[0], residual is not None))
-        return real(x, norm_weight, eps, weight, residual, bias, **kwargs)
-
-    monkeypatch.setattr(gemv_module, "rms_norm_gemv", spy)
-    monkeypatch.setattr(linear_module, "_gemv_device", lambda x: True)
-    return calls
-
-
-def half_norm(hidden: int) -> RMSNorm:
-    norm = RMSNorm(hidden, 1e-6).half()
-    with torch.no_grad():
-        norm.weight.copy_(1 + 0.2 * torch.randn(hidden, generator=GEN))
-    return norm
-
-
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")
-def test_norm_then_projection_is_one_norm_gemv_at_small_batch(norm_gemv_calls):
-    """forward_normed: residual add + RMSNorm + projection in one launch, the bits of the rms_norm
-    kernel followed by the GEMV; the new residual stream too. K=512: the norm kernel's 4 warps."""
-    layer, norm = half_layer(ColumnParallelLinear, TensorParallel.single(), 512, 24), half_norm(512)
-    x, res = (torch.randn(2, 3, 512, generator=GEN).half() * 2).unbind(0)
-    out, new_res = layer.forward_normed(x, norm, res)
-    assert norm_gemv_calls == [(3, True)]
-    normed, summed = rms_norm(x, norm.weight, norm.eps, res)
-    assert torch.equal(new_res, summed) and torch.equal(out, gemv_module.gemv(normed, layer.weight, layer.bias))
-    ref_normed, ref_sum = norm(x, res)  # the CPU torch route
-    assert torch.equal(new_res, ref_sum)
-    torch.testing.assert_close(out, layer(ref_normed), atol=2e-2, rtol=2e-2)
-    out, same = layer.forward_normed(x, norm)  # the first layer: no residual yet, the stream is x itself
-    assert norm_gemv_calls[-1] == (3, False) and same is x
-    assert torch.equal(out, gemv_module.gemv(rms_norm(x, norm.weight, norm.eps), layer.weight, layer.bias))
-
-
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")
-def test_norm_then_projection_keeps_two_launches_off_the_fused_route(norm_gemv_calls):
-    """More than SMALL_BATCH_MAX_M rows, the switch off, or a hidden size whose norm kernel runs another
-    num_warps than the GEMV (the sums would differ): the norm, then the projection."""
-    layer, norm = half_layer(ColumnParallelLinear, TensorParallel.single(), 512, 24), half_norm(512)
-    big = torch.randn(linear_module.SMALL_BATCH_MAX_M + 1, 512, generator=GEN).half()
-    out, new_res = layer.forward_normed(big, norm, big)
-    ref_normed, ref_sum = norm(big, big)
-    assert torch.equal(out, layer(ref_normed)) and torch.equal(new_res, ref_sum)
-    layer.small_batch_gemv = False
-    layer.forward_normed(big[:2], norm, big[:2])
-    narrow, narrow_norm = half_layer(ColumnParallelLinear, TensorParallel.single(), 32, 24), half_norm(32)
-    x = torch.randn(2, 32, generator=GEN).half()
-    out, same = narrow.forward_normed(x, narrow_norm)
-    assert same is x and torch.equal(out, narrow(narrow_norm(x)))
-    assert norm_gemv_calls == []
