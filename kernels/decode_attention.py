@@ -10,8 +10,9 @@ second kernel. Both merge through `_merge_partials`, whose order of operations i
 (sequential over splits), so the tile shape and warp count of the merging kernel cannot change it.
 The grid and NUM_SPLITS come only from tensor shapes and each split's range is computed on the
 device from seq_lens, so the launch is CUDA-graph safe; a split past a sequence's end writes a
-neutral partial (lse = -inf, output 0). A float8_e4m3fn cache is upcast on load (exact into fp16/bf16/fp32); its per-KV-head scales are folded into the
-score scale (K) and the split's output (V), so the inner loop does no extra multiplies.
+neutral partial (lse = -inf, output 0). A float8_e4m3fn cache is upcast on load (exact into
+fp16/bf16/fp32); its per-KV-head scales are folded into the score scale (K) and the split's output
+(V), so the inner loop does no extra multiplies.
 """
 from __future__ import annotations
 
