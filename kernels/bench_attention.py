@@ -5,10 +5,13 @@ compute-bound (reported as TFLOP/s over the causal QK^T and PV products). Every 
 relative error against `kernels/reference.py`. Run: `PYTHONPATH=. python kernels/bench_attention.py`
 (`--sweep` additionally times a grid of tile configs to pick the defaults; `--kv-fp8` stores the caches
 as float8 e4m3 with per-KV-head scales, the `kv_cache_dtype=fp8` path: GB/s then counts 1-byte K/V).
+The `merge` rows time the decode's split merge both ways, replayed in a CUDA graph as the engine runs
+it: a second launch, or fused into the split kernel (`fused_merge`), and check their bits are equal.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import math
 from functools import lru_cache
@@ -95,6 +98,24 @@ def bench_decode(batch: int, context: int, block_size: int, config: DecodeConfig
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     splits = decode_num_splits(batch, NUM_KV_HEADS, tables.shape[1], block_size, cfg.programs_per_sm * sms)
     return ms, (kv_bytes + io_bytes) / ms / 1e6, err, splits
+
+
+def bench_decode_merge(batch: int, context: int, block_size: int) -> tuple[float, float, bool, int]:
+    """(two-launch us, fused us, same bits, splits): both merges of the split partials, each timed as
+    CUDA-graph replays (no host launch gaps, as in the engine's decode graphs)."""
+    q, kc, vc, _, lens, tables = paged_inputs(1, (context,) * batch, block_size)
+    scale, scales = HEAD_DIM**-0.5, kv_scales()
+    outs = {fused: torch.empty_like(q) for fused in (False, True)}
+    times = {}
+    for fused, out in outs.items():
+        run = functools.partial(paged_decode_attention, q, kc, vc, lens, tables, scale, out=out, fused_merge=fused,
+                                **scales)
+        run()  # compile, allocate the merge counters outside the capture
+        times[fused] = triton.testing.do_bench_cudagraph(run, rep=100, return_mode="median") * 1e3
+    cfg = default_decode_config(HEAD_DIM, q.device)
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    splits = decode_num_splits(batch, NUM_KV_HEADS, tables.shape[1], block_size, cfg.programs_per_sm * sms)
+    return times[False], times[True], torch.equal(outs[False], outs[True]), splits
 
 
 def bench_prefill(batch: int, length: int, block_size: int, config: PrefillConfig | None = None):
@@ -204,6 +225,12 @@ def main() -> None:
             rows.append(
                 f"decode   B={batch:<4} ctx={context:<5} bs={block_size:<4} {ms * 1e3:10.1f} us "
                 f"{gbs:8.0f} GB/s   rel_err {err:.1e}  splits={splits}"
+            )
+        for batch, context in itertools.product((1, 64), (512, 2048)):
+            two_us, fused_us, same, splits = bench_decode_merge(batch, context, block_size)
+            rows.append(
+                f"merge    B={batch:<4} ctx={context:<5} bs={block_size:<4} graph: two launches {two_us:7.1f} us, "
+                f"fused {fused_us:7.1f} us ({two_us - fused_us:+.1f})  splits={splits}  same bits: {same}"
             )
         ms, tflops, err = bench_prefill(16, 1024, block_size)
         rows.append(

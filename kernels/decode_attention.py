@@ -2,12 +2,17 @@
 
 A program owns one (sequence, KV head, split): the GROUP query heads that share the KV head are
 packed into one tile, so each K/V tile is loaded once for all of them. Long contexts are cut into
-NUM_SPLITS ranges whose partial (output, log-sum-exp) a second kernel merges; with one split the
-first kernel writes the output directly. The grid and NUM_SPLITS come only from tensor shapes and
-each split's range is computed on the device from seq_lens, so the launch is CUDA-graph safe; a
-split past a sequence's end writes a neutral partial (lse = -inf, output 0). A float8_e4m3fn
-cache is upcast on load (exact into fp16/bf16/fp32); its per-KV-head scales are folded into the
-score scale (K) and the split's output (V), so the inner loop does no extra multiplies.
+NUM_SPLITS ranges whose partial (output, log-sum-exp) are merged; with one split the first kernel
+writes the output directly. Who merges (`fused_merge`, the same bits either way): the last split
+program of each (sequence, KV head) to finish, which counts arrivals on a persistent int32 counter
+and resets it (one launch: at batch 1 the separate merge was a ~2.7 us launch per layer), or a
+second kernel. Both merge through `_merge_partials`, whose order of operations is explicit
+(sequential over splits), so the tile shape and warp count of the merging kernel cannot change it.
+The grid and NUM_SPLITS come only from tensor shapes and each split's range is computed on the
+device from seq_lens, so the launch is CUDA-graph safe; a split past a sequence's end writes a
+neutral partial (lse = -inf, output 0). A float8_e4m3fn cache is upcast on load (exact into
+fp16/bf16/fp32); its per-KV-head scales are folded into the score scale (K) and the split's output
+(V), so the inner loop does no extra multiplies.
 """
 from __future__ import annotations
 
@@ -26,6 +31,11 @@ from spmd_engine.kernels.paged_kv_tile import fp8_dot_in_f16, fp8_dot_operand, p
 _LOG2_E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 128  # below this a split's launch/merge cost outweighs the extra parallelism
 MAX_SPLITS = 64
+# Splits merged by the last-arriving split program (True) or by a second launch (False); same bits.
+# The arrival counters are one int32 per (sequence, KV head) per device, shared by every call: decode
+# attention must not run concurrently on two streams of one device (the engine runs its forward on one).
+DECODE_FUSED_MERGE = True
+MIN_COUNTERS = 4096  # the first allocation: above any automatic split case (B * Hkv < programs wanted)
 
 
 @dataclass(frozen=True)
@@ -65,14 +75,14 @@ def decode_num_splits(
 
 @triton.jit
 def _decode_split_kernel(
-    query, k_cache, v_cache, out, partial_out, partial_lse, seq_lens, block_tables, scale_log2,
+    query, k_cache, v_cache, out, partial_out, partial_lse, counters, seq_lens, block_tables, scale_log2,
     k_scale, v_scale,
     stride_q_seq, stride_q_head, stride_o_seq, stride_o_head,
     stride_cache_block, stride_cache_pos, stride_cache_head, stride_table,
     num_q_heads,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
-    DOT_F16: tl.constexpr,
+    DOT_F16: tl.constexpr, FUSED_MERGE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -138,32 +148,68 @@ def _decode_split_kernel(
         tl.store(partial_out + slot[:, None] * HEAD_DIM + dims[None, :], result, mask=row_valid[:, None])
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
         tl.store(partial_lse + slot, lse, mask=row_valid)
+        if FUSED_MERGE:
+            tl.debug_barrier()  # every thread's partial is stored before the arrival is counted
+            counter = counters + seq * tl.num_programs(1) + kv_head
+            # release: this program's partials are visible to whoever sees the count; acquire: the last
+            # arrival sees every other split's partials (read from L2 below, `.cg`)
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == NUM_SPLITS - 1:
+                slot0 = (seq.to(tl.int64) * num_q_heads + heads) * NUM_SPLITS  # [BLOCK_H]
+                merged = _merge_partials(
+                    partial_out, partial_lse, slot0[:, None], row_valid[:, None], dims, NUM_SPLITS, HEAD_DIM
+                )
+                tl.store(
+                    out + seq.to(tl.int64) * stride_o_seq + heads[:, None] * stride_o_head + dims[None, :],
+                    merged.to(out.dtype.element_ty), mask=row_valid[:, None],
+                )
+                tl.store(counter, 0)  # ready for the next launch (and the next graph replay)
+
+
+@triton.jit
+def _merge_partials(
+    partial_out, partial_lse, slot0, row_mask, dims, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr
+):
+    """Rows slot0 [R, 1] (split 0's slot; splits follow it) merged into [R, HEAD_DIM] float32, weighted
+    by the splits' log-sum-exps. Why element-wise steps in split order, not tl.max/tl.sum over a splits
+    axis: a reduction's order follows the compiler's layout (tile shape, num_warps), and the fused merge
+    runs under the split kernel's warps, the second launch under its own; this order is the same in
+    both, so the two paths give the same bits. Loads are `.cg` (L2): never a stale L1 line of a partial
+    another program stored."""
+    lse_max = tl.load(partial_lse + slot0, mask=row_mask, other=float("-inf"), cache_modifier=".cg")
+    for s in range(1, NUM_SPLITS):
+        lse_max = tl.maximum(
+            lse_max, tl.load(partial_lse + slot0 + s, mask=row_mask, other=float("-inf"), cache_modifier=".cg")
+        )
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # every split empty: weights 0
+    total = tl.zeros_like(lse_max)
+    acc = tl.zeros([slot0.shape[0], HEAD_DIM], dtype=tl.float32)
+    for s in range(NUM_SPLITS):
+        lse = tl.load(partial_lse + slot0 + s, mask=row_mask, other=float("-inf"), cache_modifier=".cg")
+        weight = tl.exp2(lse - lse_max)
+        total += weight
+        partial = tl.load(
+            partial_out + (slot0 + s) * HEAD_DIM + dims[None, :], mask=row_mask, other=0.0, cache_modifier=".cg"
+        )
+        acc += partial * weight
+    return acc / tl.where(total == 0.0, 1.0, total)
 
 
 @triton.jit
 def _decode_merge_kernel(
     partial_out, partial_lse, out, stride_o_seq, stride_o_head, num_q_heads,
-    NUM_SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    splits = tl.arange(0, SPLITS_POW2)
-    split_valid = splits < NUM_SPLITS
     dims = tl.arange(0, HEAD_DIM)
-    base = (seq.to(tl.int64) * num_q_heads + head) * NUM_SPLITS
-    lse = tl.load(partial_lse + base + splits, mask=split_valid, other=float("-inf"))
-    lse_max = tl.max(lse, axis=0)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # every split empty: weights 0
-    weights = tl.exp2(lse - lse_max)
-    partial = tl.load(
-        partial_out + (base + splits)[:, None] * HEAD_DIM + dims[None, :],
-        mask=split_valid[:, None], other=0.0,
+    slot0 = (seq.to(tl.int64) * num_q_heads + head) * NUM_SPLITS + tl.zeros([1, 1], dtype=tl.int64)
+    merged = _merge_partials(
+        partial_out, partial_lse, slot0, tl.full([1, 1], True, dtype=tl.int1), dims, NUM_SPLITS, HEAD_DIM
     )
-    total = tl.sum(weights, axis=0)
-    result = tl.sum(partial * weights[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
     tl.store(
-        out + seq.to(tl.int64) * stride_o_seq + head * stride_o_head + dims,
-        result.to(out.dtype.element_ty),
+        out + seq.to(tl.int64) * stride_o_seq + head * stride_o_head + dims[None, :],
+        merged.to(out.dtype.element_ty),
     )
 
 
@@ -180,8 +226,13 @@ def paged_decode_attention(
     config: DecodeConfig | None = None,
     k_scale: torch.Tensor | None = None,  # [Hkv] float32, only with a float8_e4m3fn cache
     v_scale: torch.Tensor | None = None,
+    fused_merge: bool | None = None,  # None: DECODE_FUSED_MERGE; the same bits either way
 ) -> torch.Tensor:
-    """Attention of each sequence's single new token over its seq_len cached keys; returns [B, Hq, D]."""
+    """Attention of each sequence's single new token over its seq_len cached keys; returns [B, Hq, D].
+
+    With several splits `fused_merge` merges them in the split kernel (the last split of each
+    (sequence, KV head) to arrive; counters from `merge_counters`, allocated outside graph capture by
+    the first eager call) instead of a second launch."""
     check_attention_inputs("paged_decode_attention", query, k_cache, v_cache)
     kv_fp8 = check_kv_scales("paged_decode_attention", k_cache, k_scale, v_scale)
     num_seqs, num_q_heads, head_dim = query.shape
@@ -202,8 +253,10 @@ def paged_decode_attention(
         raise ValueError(f"paged_decode_attention: num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     group = num_q_heads // num_kv_heads
     partial_out, partial_lse = _split_partials(query, out, num_splits)
+    fused = (DECODE_FUSED_MERGE if fused_merge is None else fused_merge) and num_splits > 1
+    counters = merge_counters(query.device, num_seqs * num_kv_heads) if fused else seq_lens  # unread unfused
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        query, k_cache, v_cache, out, partial_out, partial_lse, seq_lens, block_tables,
+        query, k_cache, v_cache, out, partial_out, partial_lse, counters, seq_lens, block_tables,
         scale * _LOG2_E,
         k_scale if kv_fp8 else seq_lens, v_scale if kv_fp8 else seq_lens,  # unread without KV_FP8
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
@@ -212,9 +265,9 @@ def paged_decode_attention(
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim, BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits,
         DOT_PRECISION=dot_precision(query.dtype), KV_FP8=kv_fp8, DOT_F16=fp8_dot_in_f16(kv_fp8, query.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        FUSED_MERGE=fused, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if num_splits > 1:
+    if num_splits > 1 and not fused:
         _merge_splits(partial_out, partial_lse, out)
     return out
 
@@ -235,6 +288,26 @@ def _merge_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor, out: tor
     num_seqs, num_q_heads, num_splits, head_dim = partial_out.shape
     _decode_merge_kernel[(num_seqs, num_q_heads)](
         partial_out, partial_lse, out, out.stride(0), out.stride(1), num_q_heads,
-        NUM_SPLITS=num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
-        num_warps=1 if head_dim <= 64 else 2,
+        NUM_SPLITS=num_splits, HEAD_DIM=head_dim, num_warps=1 if head_dim <= 64 else 2,
     )
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []  # kept alive: CUDA graphs captured earlier still point at them
+
+
+def merge_counters(device: torch.device, count: int = 0) -> torch.Tensor:
+    """The device's zeroed int32 arrival counters, at least `count` of them (every fused launch leaves
+    them zero). Owned here, one buffer per device shared by every layer and call (they run one after
+    another on one stream), so a CUDA graph bakes in a pointer that stays valid: allocated once, at
+    least MIN_COUNTERS, grown only outside capture (the engine's eager warm-ups precede each capture)."""
+    counters = _COUNTERS.get(device)
+    if counters is None or counters.numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"paged_decode_attention: {count} merge counters must be allocated before "
+                               "CUDA-graph capture (run the step once eagerly first)")
+        if counters is not None:
+            _OUTGROWN.append(counters)
+        counters = torch.zeros(max(count, MIN_COUNTERS), dtype=torch.int32, device=device)
+        _COUNTERS[device] = counters
+    return counters

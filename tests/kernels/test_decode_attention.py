@@ -1,10 +1,13 @@
 import pytest
 import torch
 
+from spmd_engine.kernels import decode_attention as decode_module
 from spmd_engine.kernels.decode_attention import (
     MAX_SPLITS,
+    MIN_COUNTERS,
     decode_num_splits,
     default_decode_config,
+    merge_counters,
     paged_decode_attention,
 )
 from spmd_engine.kernels.attention_support import supports_shape as supports
@@ -148,3 +151,86 @@ def test_fp8_cache_needs_its_scales():
     with pytest.raises(ValueError, match=r"v_scale must be a contiguous \[2\] float32"):
         paged_decode_attention(batch.query, batch.k_cache, batch.v_cache, batch.seq_lens, batch.block_tables,
                                batch.scale, k_scale=batch.k_scale, v_scale=batch.v_scale.double())
+
+
+# (seq_lens, block_size, Hq, Hkv, head_dim, dtype, num_splits, fp8 cache): the fused merge against the second
+# launch (no bf16: bf16 under the interpreter is far off the reference on main too; the GPU tests cover it)
+MERGE_CASES = [
+    # seq 3 leaves most of its splits empty (neutral partials)
+    pytest.param([70, 3, 129], 64, 4, 2, 16, torch.float16, 4, False, id="bs64-gqa2-fp16-split4"),
+    # an empty sequence: every split neutral, output zeros
+    pytest.param([300, 0, 5], 256, 8, 1, 16, torch.float32, 3, False, id="bs256-gqa8-fp32-split3"),
+    pytest.param([9, 33], 8, 8, 2, 16, torch.float16, 2, False, id="bs8-gqa4-fp16-split2"),
+    # GQA 3: padding rows of the 16-row head tile must not be merged or stored; odd split count
+    pytest.param([300, 1, 260, 77, 16], 16, 6, 2, 32, torch.float16, 7, False, id="bs16-gqa3-fp16-split7"),
+    pytest.param([200], 16, 2, 1, 16, torch.float32, MAX_SPLITS, False, id="b1-fp32-max-splits"),
+    pytest.param([70, 3, 129], 64, 4, 2, 16, torch.float16, 5, True, id="fp8-bs64-gqa2-fp16-split5"),
+    pytest.param([9, 33, 1], 8, 8, 2, 16, torch.float32, 2, True, id="fp8-bs8-gqa4-fp32-split2"),
+]
+
+
+def _decode(batch, out, **kwargs):
+    out.fill_(float("nan"))  # an unwritten row shows up as NaN
+    scales = {"k_scale": batch.k_scale, "v_scale": batch.v_scale}
+    return paged_decode_attention(batch.query, batch.k_cache, batch.v_cache, batch.seq_lens, batch.block_tables,
+                                  batch.scale, out=out, **scales, **kwargs)
+
+
+@pytest.fixture
+def nan_partials(monkeypatch):
+    """Fresh NaN partial buffers each call: a merge that read a partial before its split wrote it (or a
+    previous call's, left in reused memory) shows up as NaN."""
+    split_partials = decode_module._split_partials
+
+    def poisoned(query, out, num_splits):
+        partial_out, partial_lse = split_partials(query, out, num_splits)
+        if num_splits > 1:
+            partial_out.fill_(float("nan"))
+            partial_lse.fill_(float("nan"))
+        return partial_out, partial_lse
+
+    monkeypatch.setattr(decode_module, "_split_partials", poisoned)
+
+
+@pytest.mark.parametrize("seq_lens,block_size,hq,hkv,head_dim,dtype,num_splits,kv_fp8", MERGE_CASES)
+def test_fused_merge_equals_the_second_launch(seq_lens, block_size, hq, hkv, head_dim, dtype, num_splits, kv_fp8,
+                                               nan_partials):
+    """The last split program of each (sequence, KV head) merges the partials in the merge kernel's
+    order (same bits), leaves the counters at zero, and does so again on the next call."""
+    batch = make_paged_batch([1] * len(seq_lens), seq_lens, block_size, hq, hkv, head_dim, dtype, kv_fp8=kv_fp8)
+    two = _decode(batch, torch.empty_like(batch.query), num_splits=num_splits, fused_merge=False).clone()
+    assert rel_error(two, batch.reference()) < (1e-5 if dtype == torch.float32 else 1e-2)
+    out = torch.empty_like(batch.query)
+    for _ in range(2):  # a counter left non-zero would skip the next call's merge (NaN rows)
+        assert torch.equal(_decode(batch, out, num_splits=num_splits, fused_merge=True), two)
+        assert not merge_counters(batch.query.device).any()
+    # new lengths through the same tensors (as a graph replay sees them): still the second launch's bits
+    batch.seq_lens.copy_(torch.tensor([max(0, n - 37 * i) for i, n in enumerate(seq_lens)], dtype=torch.int32))
+    two = _decode(batch, torch.empty_like(batch.query), num_splits=num_splits, fused_merge=False).clone()
+    assert torch.equal(_decode(batch, out, num_splits=num_splits, fused_merge=True), two)
+    assert not merge_counters(batch.query.device).any()
+
+
+def test_default_merges_without_a_second_launch(monkeypatch, nan_partials):
+    batch = make_paged_batch([1, 1], [90, 40], 16, 4, 2, 16, torch.float32, seed=5)
+    two = _decode(batch, torch.empty_like(batch.query), num_splits=3, fused_merge=False).clone()
+
+    def no_second_launch(*args):
+        raise AssertionError("the merge kernel was launched")
+
+    monkeypatch.setattr(decode_module, "_merge_splits", no_second_launch)
+    assert decode_module.DECODE_FUSED_MERGE
+    assert torch.equal(_decode(batch, torch.empty_like(batch.query), num_splits=3), two)
+    # one split: the split kernel writes the output itself, no counters involved
+    one = _decode(batch, torch.empty_like(batch.query), num_splits=1, fused_merge=True)
+    assert rel_error(one, batch.reference()) < 1e-5
+
+
+def test_merge_counters_are_allocated_once_and_grow_outside_capture():
+    device = DEVICE
+    first = merge_counters(device)
+    assert first.numel() >= MIN_COUNTERS and first.dtype == torch.int32 and not first.any()
+    assert merge_counters(device, 10) is first  # the same buffer every call: its pointer is graph-safe
+    grown = merge_counters(device, first.numel() + 1)
+    assert grown.numel() == first.numel() + 1 and not grown.any()
+    assert merge_counters(device) is grown and first in decode_module._OUTGROWN  # earlier graphs keep theirs
