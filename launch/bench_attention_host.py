@@ -4,7 +4,7 @@ Measures what our wrapper costs on the host (checks, split count, configs, grids
 slicing) apart from Triton's own launch path: every jitted kernel's `kernel[grid]` is replaced by a
 no-op, a fresh AttentionMetadata is built per step (as the engine does) and `Attention.attend` runs
 for every layer of the step. Runs on CPU (no GPU, no TRITON_INTERPRET) or on a GPU machine:
-`PYTHONPATH=. python kernels/bench_attention_host.py [--device cuda]`. Uses only the layer's public
+`PYTHONPATH=. python launch/bench_attention_host.py [--device cuda]`. Uses only the layer's public
 API, so it times older versions of the layer the same way.
 """
 from __future__ import annotations
