@@ -105,7 +105,22 @@ class PagedAttentionPlan:
     decode: tuple[tuple[int, int, int], tuple[Any, ...], dict[str, Any]] | None  # decode-only step
     prefill: tuple[tuple[int, int, int], tuple[Any, ...], dict[str, Any]] | None  # prefill-only step
     merge: tuple[tuple[int, int], dict[str, Any]] | None  # num_splits > 1: merge the decode rows' partials
-    partials: tuple[torch.Tensor, torch.Tensor] | None  # [D_seqs, Hq, S, D], [D_seqs, Hq, S] float32
+    partial_shape: tuple[int, int, int, int]  # float32 split outputs [D_seqs, Hq, S, D] (log-sum-exps without D)
+    share_partials: bool  # one pair for every layer (else a fresh pair per launch: see plan_paged_attention)
+    partials: tuple[torch.Tensor, torch.Tensor] | None = None  # the shared pair, made by the first launch
+
+    def _partials(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The split partials (with one split the kernel writes `out` directly: it stands in for both).
+        Shared by every layer: stream order keeps one layer's merge before the next layer's splits."""
+        if self.merge is None:
+            return out, out
+        if self.partials is not None:
+            return self.partials
+        pair = (torch.empty(self.partial_shape, dtype=torch.float32, device=out.device),
+                torch.empty(self.partial_shape[:3], dtype=torch.float32, device=out.device))
+        if self.share_partials:
+            self.partials = pair
+        return pair
 
     def launch(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -114,21 +129,19 @@ class PagedAttentionPlan:
         cu_seqlens, seq_lens, tables = self.metadata
         scale_log2 = scale * _LOG2_E
         ks, vs = (k_scale, v_scale) if self.kv_fp8 else (seq_lens, seq_lens)  # unread without KV_FP8
+        partial_out, partial_lse = self._partials(out)
         if self.mixed is not None:
             grid, ints, meta = self.mixed
-            partial_out, partial_lse = self.partials or (out, out)
             _mixed_paged_attention_kernel[grid](
                 query, k_cache, v_cache, out, partial_out, partial_lse, cu_seqlens, seq_lens, tables, scale_log2,
                 ks, vs, *self.strides, *ints, **meta)
         if self.decode is not None:
             grid, ints, meta = self.decode
-            partial_out, partial_lse = self.partials or (out, out)
             _decode_split_kernel[grid](
                 query, k_cache, v_cache, out, partial_out, partial_lse, seq_lens, tables, scale_log2, ks, vs,
                 *self.strides, *ints, **meta)
         if self.merge is not None:
             grid, meta = self.merge
-            partial_out, partial_lse = self.partials
             _decode_merge_kernel[grid](partial_out, partial_lse, out, self.strides[2], self.strides[3], **meta)
         if self.prefill is not None:
             grid, _, meta = self.prefill
@@ -153,11 +166,17 @@ def plan_paged_attention(
     decode_config: DecodeConfig | None = None,
     prefill_config: PrefillConfig | None = None,
     fuse: bool = True,
+    share_partials: bool = True,
 ) -> PagedAttentionPlan:
     """Validate one layer's tensors and plan the step's launches: the decode rows exactly as
     `paged_decode_attention(query[:num_decode], ...)` (same split count and config), the prompt chunks
     exactly as `paged_prefill_attention` over the rest; one launch for both when `fuse` (and the two
-    configs share num_warps), else the two kernels back to back."""
+    configs share num_warps), else the two kernels back to back.
+
+    `share_partials`: allocate the split partials once for every layer. Not for a step that may run
+    inside a CUDA-graph capture after warm-up runs over the same metadata (the decode graphs): the
+    plan made in the warm-up would hand the graph buffers from outside its pool, freed when the
+    metadata is; there every launch allocates its own, as `paged_decode_attention` does."""
     check_attention_inputs("paged_attention_plan", query, k_cache, v_cache)
     kv_fp8 = check_kv_scales("paged_attention_plan", k_cache, k_scale, v_scale)
     num_tokens, num_q_heads, head_dim = query.shape
@@ -178,17 +197,14 @@ def plan_paged_attention(
     dcfg = decode_config or default_decode_config(head_dim, query.device)
     pcfg = prefill_config or default_prefill_config(head_dim, query.device)
 
-    num_splits, partials, decode_meta, merge = 1, None, None, None
+    num_splits, decode_meta, merge = 1, None, None
     if num_decode:
         target = dcfg.programs_per_sm * _num_sms(query.device)
         num_splits = decode_num_splits(num_decode, num_kv_heads, block_tables.shape[1], block_size, target)
         if not 1 <= num_splits <= MAX_SPLITS:
             raise ValueError(f"paged_attention_plan: num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
         decode_meta = dict(BLOCK_H=max(16, triton.next_power_of_2(group)), NUM_SPLITS=num_splits)
-        if num_splits > 1:  # shared by every layer: stream order keeps one layer's merge before the next split
-            partials = (
-                torch.empty(num_decode, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=query.device),
-                torch.empty(num_decode, num_q_heads, num_splits, dtype=torch.float32, device=query.device))
+        if num_splits > 1:
             merge = ((num_decode, num_q_heads), dict(
                 num_q_heads=num_q_heads, NUM_SPLITS=num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits),
                 HEAD_DIM=head_dim, num_warps=1 if head_dim <= 64 else 2))
@@ -214,4 +230,5 @@ def plan_paged_attention(
         prefill_metadata = (cu_seqlens_q[num_decode:].clone(), seq_lens[num_decode:].clone(),  # decode_split)
                             block_tables[num_decode:])
     return PagedAttentionPlan(plan_key(query, k_cache, out, kv_fp8), kv_fp8, (cu_seqlens_q, seq_lens, block_tables),
-                              prefill_metadata, strides, mixed, decode, prefill, merge, partials)
+                              prefill_metadata, strides, mixed, decode, prefill, merge,
+                              (num_decode, num_q_heads, num_splits, head_dim), share_partials)

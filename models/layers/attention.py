@@ -96,7 +96,9 @@ class Attention(nn.Module):
         if plan is None:
             plan = attn.launch_plans[key] = plan_paged_attention(
                 q, self.k_cache, self.v_cache, out, attn.cu_seqlens_q, attn.seq_lens, attn.block_tables,
-                attn.num_decode_rows, attn.max_query_len, k_scale=self.k_scale, v_scale=self.v_scale)
+                attn.num_decode_rows, attn.max_query_len, k_scale=self.k_scale, v_scale=self.v_scale,
+                # a decode step may be a CUDA-graph capture after warm-up runs over the same metadata
+                share_partials=not attn.is_decode)
         return plan.launch(q, self.k_cache, self.v_cache, out, self.scale, self.k_scale, self.v_scale)
 
     def _attend_new_tokens_only(self, q, k, v, attn: AttentionMetadata) -> torch.Tensor:

@@ -77,3 +77,34 @@ def test_batch_composition_compiles_no_new_variant():
         assert torch.equal(out, two_kernel_path(batch, num_decode))
         sizes.append(len(kernel.device_caches[torch.cuda.current_device()][0]))
     assert len(set(sizes)) == 1, sizes
+
+
+def test_decode_graph_captured_after_warmups_over_the_same_metadata_owns_its_partials():
+    """The decode graphs warm up and capture over one AttentionMetadata: the captured split partials
+    must come from the graph's pool, not from a plan the warm-up made (freed with the metadata, then
+    handed to other tensors that every replay would overwrite)."""
+    from spmd_engine.models.attention_metadata import AttentionMetadata
+    from spmd_engine.models.layers.attention import Attention
+
+    batch = mixed_batch(8, 2048, [], 16)  # 8 decode rows of ~2k keys: several splits and the merge
+    layer = Attention(HQ, HKV, D, batch.scale, "triton")
+    layer.k_cache, layer.v_cache = batch.k_cache, batch.v_cache
+    attn = AttentionMetadata(torch.full((8,), -1, device="cuda"), batch.cu_seqlens_q, batch.seq_lens,
+                             batch.block_tables, 1, int(batch.seq_lens.max()), 16, is_decode=True)
+    q, out = batch.query.view(8, HQ * D), torch.empty(8, HQ * D, dtype=batch.query.dtype, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            layer.attend(q, None, None, attn, out=out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        layer.attend(q, None, None, attn, out=out)
+    del attn
+    torch.cuda.synchronize()
+    others = [torch.full((8, HQ, 64, D), 7.0, device="cuda") for _ in range(64)]  # take any freed blocks
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(bool((t == 7.0).all()) for t in others)
+    assert torch.equal(out.view(8, HQ, D), two_kernel_path(batch, 8)[:8])

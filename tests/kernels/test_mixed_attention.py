@@ -73,7 +73,7 @@ def test_plan_is_bitwise_the_two_kernel_path(decode_lens, prompts, block_size, h
     expected = two_kernel_path(batch, n, config)
     plan, out = planned(batch, n, config, fuse)
     if splitting:
-        assert plan.partials is not None, "the case must exercise the split partials and the merge"
+        assert plan.merge is not None, "the case must exercise the split partials and the merge"
     assert (plan.mixed is not None) == fuse  # every default config pair shares num_warps
     plan.launch(batch.query, batch.k_cache, batch.v_cache, out, batch.scale, batch.k_scale, batch.v_scale)
     assert torch.equal(out.view(torch.uint8), expected.view(torch.uint8))
@@ -136,3 +136,19 @@ def test_plan_refuses_bad_inputs_with_one_clear_line():
     with pytest.raises(ValueError, match="contiguous head_dim"):
         plan_paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.query.transpose(0, 1),
                              batch.cu_seqlens_q, batch.seq_lens, batch.block_tables, 1, 4)
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_split_partials_are_shared_by_layers_only_when_asked(share):
+    """Shared: one pair made by the first launch serves every layer. Not shared (decode steps, which a
+    CUDA-graph capture may run after warm-ups over the same metadata): each launch allocates its own."""
+    batch = make_paged_batch([1, 1], [300, 40], 8, 4, 2, 16, torch.float32, seed=2)
+    out = torch.empty_like(batch.query)
+    plan = plan_paged_attention(batch.query, batch.k_cache, batch.v_cache, out, batch.cu_seqlens_q, batch.seq_lens,
+                                batch.block_tables, 2, 1, decode_config=SPLITTING, share_partials=share)
+    assert plan.merge is not None and plan.partials is None
+    plan.launch(batch.query, batch.k_cache, batch.v_cache, out, batch.scale)
+    first = plan.partials
+    plan.launch(batch.query, batch.k_cache, batch.v_cache, out, batch.scale)
+    assert (first is not None and plan.partials is first) if share else plan.partials is None
+    assert torch.equal(out, two_kernel_path(batch, 2, SPLITTING))
