@@ -129,11 +129,12 @@ def host_us(fn, calls: int = 200) -> float:
 
 def bench_mixed(num_decodes: int, context: int, num_prompts: int, prompt_len: int, block_size: int,
                 layers: int = 28):
-    """A mixed step (issue #15): decodes first, then prompt chunks, at one layer's attention. Three ways:
+    """A mixed step (issue #15): decodes first, then prompt chunks, at one layer's attention. Four ways:
     `two`: the decode kernel on the decode rows + the prefill kernel on the chunks, each call validating
     and planning itself (the path before the per-step plan); `plan`: the step's plan (built once per
-    step, amortised over `layers` layers) and its one launch; `prefill`: every row through the prefill
-    kernel. Returns {way: (host us per call without sync, GPU us)} and the plan's rel error."""
+    step, amortised over `layers` layers) and its one launch; `plan2`: the plan with the two kernels
+    back to back (mixed_attention.ONE_LAUNCH = False); `prefill`: every row through the prefill kernel.
+    Returns {way: (host us per call without sync, GPU us)} and the plan's rel error."""
     q_lens = (1,) * num_decodes + (prompt_len,) * num_prompts
     q, kc, vc, cu, lens, tables = paged_inputs(q_lens, (context,) * (num_decodes + num_prompts), block_size)
     scale, scales, out = HEAD_DIM**-0.5, kv_scales(), torch.empty_like(q)
@@ -144,13 +145,16 @@ def bench_mixed(num_decodes: int, context: int, num_prompts: int, prompt_len: in
         paged_decode_attention(q[:d], kc, vc, lens[:d], tables[:d], scale, out=out[:d], **scales)
         paged_prefill_attention(q, kc, vc, *rest, scale, prompt_len, out=out, **scales)
 
-    def plan_for_step():
-        return plan_paged_attention(q, kc, vc, out, cu, lens, tables, d, prompt_len, **scales)
+    def plan_for_step(fuse=True):
+        return plan_paged_attention(q, kc, vc, out, cu, lens, tables, d, prompt_len, fuse=fuse, **scales)
 
-    step_plan = plan_for_step()
+    step_plan, two_launch_plan = plan_for_step(), plan_for_step(fuse=False)
 
     def planned():
         step_plan.launch(q, kc, vc, out, scale, **scales)
+
+    def planned_two():
+        two_launch_plan.launch(q, kc, vc, out, scale, **scales)
 
     def whole():
         paged_prefill_attention(q, kc, vc, cu, lens, tables, scale, prompt_len, out=out, **scales)
@@ -158,10 +162,12 @@ def bench_mixed(num_decodes: int, context: int, num_prompts: int, prompt_len: in
     planned()
     err = rel_error(out, paged_attention_reference(q, kc, vc, cu, lens, tables, scale, **scales))
     expected = out.clone()
-    two()
-    assert torch.equal(out, expected), "the plan's launch differs from the two-kernel path"
+    for other in (two, planned_two):
+        other()
+        assert torch.equal(out, expected), "the plan's launch differs from the two-kernel path"
     plan_us = host_us(plan_for_step, 50) / layers  # the first layer's planning, spread over the step
     return {"two": (host_us(two), median_ms(two) * 1e3), "plan": (host_us(planned) + plan_us, median_ms(planned) * 1e3),
+            "plan2": (host_us(planned_two) + plan_us, median_ms(planned_two) * 1e3),
             "prefill": (host_us(whole), median_ms(whole) * 1e3)}, err
 
 

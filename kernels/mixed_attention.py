@@ -48,6 +48,10 @@ from spmd_engine.kernels.prefill_attention import (
 )
 
 _LOG2_E = 1.4426950408889634
+# a mixed batch in one launch (False: the decode and prefill kernels back to back, the same bytes). The
+# one-launch kernel holds the larger body's registers, so its decode programs may keep fewer resident
+# per SM than the decode kernel's: kernels/bench_attention.py's mixed rows time both (`plan`, `plan2`).
+ONE_LAUNCH = True
 
 
 @triton.jit(do_not_specialize=["num_decode", "num_q_tiles", "prefill_programs"])
@@ -165,7 +169,7 @@ def plan_paged_attention(
     v_scale: torch.Tensor | None = None,
     decode_config: DecodeConfig | None = None,
     prefill_config: PrefillConfig | None = None,
-    fuse: bool = True,
+    fuse: bool | None = None,  # None: ONE_LAUNCH
     share_partials: bool = True,
 ) -> PagedAttentionPlan:
     """Validate one layer's tensors and plan the step's launches: the decode rows exactly as
@@ -187,6 +191,7 @@ def plan_paged_attention(
     if not 0 <= num_decode <= min(num_seqs, num_tokens):
         raise ValueError(f"paged_attention_plan: num_decode must be in [0, {min(num_seqs, num_tokens)}], "
                          f"got {num_decode}")
+    fuse = ONE_LAUNCH if fuse is None else fuse
     group = num_q_heads // num_kv_heads
     strides = (query.stride(0), query.stride(1), out.stride(0), out.stride(1),
                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
