@@ -17,6 +17,7 @@ from spmd_engine.kernels.reference import paged_attention_reference, store_kv_re
 from spmd_engine.models.attention_metadata import AttentionMetadata
 
 ATTENTION_BACKENDS = ("torch", "triton")
+_mixed_attention = None  # spmd_engine.kernels.mixed_attention once the Triton path first runs
 
 
 class Attention(nn.Module):
@@ -86,8 +87,10 @@ class Attention(nn.Module):
         prompt chunks after them at prefill efficiency, one launch for both in a mixed batch: host ints
         only, no device sync. Everything the same for every layer of the step (checks, split count,
         configs, grids, partial buffers) is planned by the step's first layer and kept on `attn`."""
-        from spmd_engine.kernels.mixed_attention import plan_key, plan_paged_attention
-
+        global _mixed_attention
+        if _mixed_attention is None:  # imported on first use (Triton), then a global: no import per layer
+            from spmd_engine.kernels import mixed_attention as _mixed_attention
+        plan_key, plan_paged_attention = _mixed_attention.plan_key, _mixed_attention.plan_paged_attention
         out = torch.empty_like(q) if out is None else out
         if q.stride(2) != 1:
             q = q.contiguous()
