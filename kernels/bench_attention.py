@@ -139,7 +139,7 @@ def bench_mixed(num_decodes: int, context: int, num_prompts: int, prompt_len: in
     q, kc, vc, cu, lens, tables = paged_inputs(q_lens, (context,) * (num_decodes + num_prompts), block_size)
     scale, scales, out = HEAD_DIM**-0.5, kv_scales(), torch.empty_like(q)
     d = num_decodes
-    rest = (cu[d:].clone(), lens[d:].clone(), tables[d:])  # sliced once per step (AttentionMetadata.decode_split)
+    rest = (cu[d:].clone(), lens[d:].clone(), tables[d:])  # sliced once per step, as the engine did
 
     def two():
         paged_decode_attention(q[:d], kc, vc, lens[:d], tables[:d], scale, out=out[:d], **scales)

@@ -231,8 +231,11 @@ def plan_paged_attention(
             prefill = (prefill_grid, (), dict(**common, BLOCK_M=pcfg.block_m, BLOCK_N=pcfg.block_n,
                                               num_warps=pcfg.num_warps, num_stages=pcfg.num_stages))
     prefill_metadata = (cu_seqlens_q, seq_lens, block_tables)
-    if prefill is not None and num_decode:  # the prompt part's metadata copied, not sliced (alignment: see
-        prefill_metadata = (cu_seqlens_q[num_decode:].clone(), seq_lens[num_decode:].clone(),  # decode_split)
+    if prefill is not None and num_decode:
+        # the prompt part's small tensors copied, not sliced: a slice starting at sequence n is 16-byte aligned
+        # only when n is, and Triton compiles a kernel per pointer alignment (a second prefill kernel compiled
+        # in the middle of a job: ~1 s of one mixed step on an H200)
+        prefill_metadata = (cu_seqlens_q[num_decode:].clone(), seq_lens[num_decode:].clone(),
                             block_tables[num_decode:])
     return PagedAttentionPlan(plan_key(query, k_cache, out, kv_fp8), kv_fp8, (cu_seqlens_q, seq_lens, block_tables),
                               prefill_metadata, strides, mixed, decode, prefill, merge,

@@ -6,7 +6,6 @@ one of these per step (from the rank-0 plan) and passes it explicitly into `mode
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
 
 import torch
 
@@ -46,15 +45,3 @@ class AttentionMetadata:
     def num_decode_rows(self) -> int:
         """The sequences the Triton path sends through the decode kernel (all of them in a decode step)."""
         return self.num_seqs if self.is_decode else self.num_decode_seqs
-
-    @cached_property
-    def decode_split(self) -> tuple[int, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        """(num_decode, (seq_lens, block_tables) of the decode slice, (cu_seqlens_q, seq_lens,
-        block_tables) of the rest): sliced once per step, not once per layer (host time)."""
-        n = self.num_decode_rows
-        # the prompt part's small tensors are copied, not sliced: a slice starting at sequence n is 16-byte
-        # aligned only when n is, and Triton compiles a kernel per pointer alignment (a second prefill
-        # kernel compiled in the middle of a job: ~1 s of one mixed step on an H200)
-        rest = (self.cu_seqlens_q[n:].clone(), self.seq_lens[n:].clone(), self.block_tables[n:]) if n else (
-            self.cu_seqlens_q, self.seq_lens, self.block_tables)
-        return n, (self.seq_lens[:n], self.block_tables[:n]), rest
