@@ -48,7 +48,8 @@ def main() -> None:
         layers = []
         for _ in range(args.layers):
             layer = Attention(hq, hkv, d, d**-0.5, "triton")
-            layer.k_cache, layer.v_cache = torch.zeros(2, 64, block, hkv, d, dtype=torch.bfloat16, device=device).unbind(0)
+            caches = torch.zeros(2, 64, block, hkv, d, dtype=torch.bfloat16, device=device)
+            layer.k_cache, layer.v_cache = caches.unbind(0)
             layers.append(layer)
         q = torch.zeros(num_tokens, hq * d, dtype=torch.bfloat16, device=device)
         out = torch.empty_like(q)
