@@ -252,9 +252,9 @@ def main() -> None:
         rows.append(f"store_kv T=16384         bs={block_size:<4} {ms * 1e3:10.1f} us {gbs:8.0f} GB/s")
     for decodes, prompts, prompt_len in ((250, 2, 390), (250, 6, 128), (200, 1, 1024), (8, 1, 512)):
         ways, err = bench_mixed(decodes, 1024, prompts, prompt_len, 16)
+        timings = ", ".join(f"{way} {host:5.1f} / {gpu:7.1f}" for way, (host, gpu) in ways.items())
         rows.append(f"mixed    {decodes} decodes + {prompts}x{prompt_len} prompt, ctx 1024 bs=16 "
-                    f"(host us/layer no sync / GPU us): " + ", ".join(f"{way} {host:5.1f} / {gpu:7.1f}" for way, (host, gpu) in ways.items())
-                    + f"   rel_err {err:.1e}")
+                    f"(host us/layer no sync / GPU us): {timings}   rel_err {err:.1e}")
     sdpa = bench_sdpa_prefill(16, 1024)
     rows.append(f"torch SDPA causal 16x1024 (contiguous, unpaged; reference point): {sdpa:.1f} TFLOP/s")
     print("\n" + "\n".join(rows), flush=True)
