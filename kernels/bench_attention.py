@@ -14,6 +14,7 @@ import argparse
 import functools
 import itertools
 import math
+import time
 from functools import lru_cache
 
 import torch
@@ -27,6 +28,7 @@ from spmd_engine.kernels.decode_attention import (
 )
 from spmd_engine.kernels.kv_quant import FP8_DTYPE
 from spmd_engine.kernels.kv_store import store_kv
+from spmd_engine.kernels.mixed_attention import plan_paged_attention
 from spmd_engine.kernels.prefill_attention import PrefillConfig, default_prefill_config, paged_prefill_attention
 from spmd_engine.kernels.reference import paged_attention_reference
 
@@ -132,25 +134,62 @@ def bench_prefill(batch: int, length: int, block_size: int, config: PrefillConfi
     return ms, flops / ms / 1e9, err
 
 
-def bench_mixed(num_decodes: int, context: int, num_prompts: int, prompt_len: int, block_size: int):
-    """A mixed step (issue #15): decodes first, then prompt chunks. The engine's split (decode rows
-    through the decode kernel, the chunks through the prefill kernel) against every row through the
-    prefill kernel; returns (split ms, all-prefill ms, rel error of the split)."""
+def host_us(fn, calls: int = 200) -> float:
+    """Host time per call of `fn` launched back to back without a sync (what a mixed step's eager
+    attention costs the CPU per layer); the queue is drained before and after."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - started) / calls * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
+def bench_mixed(num_decodes: int, context: int, num_prompts: int, prompt_len: int, block_size: int,
+                layers: int = 28):
+    """A mixed step (issue #15): decodes first, then prompt chunks, at one layer's attention. Four ways:
+    `two`: the decode kernel on the decode rows + the prefill kernel on the chunks, each call validating
+    and planning itself (the path before the per-step plan); `plan`: the step's plan (built once per
+    step, amortised over `layers` layers) and its one launch; `plan2`: the plan with the two kernels
+    back to back (mixed_attention.ONE_LAUNCH = False); `prefill`: every row through the prefill kernel.
+    Returns {way: (host us per call without sync, GPU us)} and the plan's rel error."""
     q_lens = (1,) * num_decodes + (prompt_len,) * num_prompts
     q, kc, vc, cu, lens, tables = paged_inputs(q_lens, (context,) * (num_decodes + num_prompts), block_size)
     scale, scales, out = HEAD_DIM**-0.5, kv_scales(), torch.empty_like(q)
     d = num_decodes
+    rest = (cu[d:].clone(), lens[d:].clone(), tables[d:])  # sliced once per step, as the engine did
 
-    def split():
+    def two():
         paged_decode_attention(q[:d], kc, vc, lens[:d], tables[:d], scale, out=out[:d], **scales)
-        paged_prefill_attention(q, kc, vc, cu[d:], lens[d:], tables[d:], scale, prompt_len, out=out, **scales)
+        paged_prefill_attention(q, kc, vc, *rest, scale, prompt_len, out=out, **scales)
 
-    split()
-    err = rel_error(out, paged_attention_reference(q, kc, vc, cu, lens, tables, scale, **scales))
+    def plan_for_step(fuse=True):
+        return plan_paged_attention(q, kc, vc, out, cu, lens, tables, d, prompt_len, fuse=fuse, **scales)
+
+    step_plan, two_launch_plan = plan_for_step(), plan_for_step(fuse=False)
+
+    def planned():
+        step_plan.launch(q, kc, vc, out, scale, **scales)
+
+    def planned_two():
+        two_launch_plan.launch(q, kc, vc, out, scale, **scales)
+
     def whole():
         paged_prefill_attention(q, kc, vc, cu, lens, tables, scale, prompt_len, out=out, **scales)
 
-    return median_ms(split), median_ms(whole), err
+    planned()
+    err = rel_error(out, paged_attention_reference(q, kc, vc, cu, lens, tables, scale, **scales))
+    expected = out.clone()
+    for other in (two, planned_two):
+        other()
+        assert torch.equal(out, expected), "the plan's launch differs from the two-kernel path"
+    plan_us = host_us(plan_for_step, 50) / layers  # the first layer's planning, spread over the step
+    return {"two": (host_us(two), median_ms(two) * 1e3), "plan": (host_us(planned) + plan_us, median_ms(planned) * 1e3),
+            "plan2": (host_us(planned_two) + plan_us, median_ms(planned_two) * 1e3),
+            "prefill": (host_us(whole), median_ms(whole) * 1e3)}, err
 
 
 def bench_sdpa_prefill(batch: int, length: int) -> float:
@@ -238,10 +277,11 @@ def main() -> None:
         )
         ms, gbs = bench_store(16 * 1024, block_size)
         rows.append(f"store_kv T=16384         bs={block_size:<4} {ms * 1e3:10.1f} us {gbs:8.0f} GB/s")
-    for decodes, prompts, prompt_len in ((250, 2, 390), (250, 6, 128), (200, 1, 1024)):
-        split_ms, whole_ms, err = bench_mixed(decodes, 1024, prompts, prompt_len, 16)
-        rows.append(f"mixed    {decodes} decodes + {prompts}x{prompt_len} prompt, ctx 1024 bs=16: split {split_ms * 1e3:8.1f} us, "
-                    f"all through prefill {whole_ms * 1e3:8.1f} us   rel_err {err:.1e}")
+    for decodes, prompts, prompt_len in ((250, 2, 390), (250, 6, 128), (200, 1, 1024), (8, 1, 512)):
+        ways, err = bench_mixed(decodes, 1024, prompts, prompt_len, 16)
+        timings = ", ".join(f"{way} {host:5.1f} / {gpu:7.1f}" for way, (host, gpu) in ways.items())
+        rows.append(f"mixed    {decodes} decodes + {prompts}x{prompt_len} prompt, ctx 1024 bs=16 "
+                    f"(host us/layer no sync / GPU us): {timings}   rel_err {err:.1e}")
     sdpa = bench_sdpa_prefill(16, 1024)
     rows.append(f"torch SDPA causal 16x1024 (contiguous, unpaged; reference point): {sdpa:.1f} TFLOP/s")
     print("\n" + "\n".join(rows), flush=True)

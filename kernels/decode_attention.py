@@ -74,7 +74,8 @@ def decode_num_splits(
 
 
 @triton.jit
-def _decode_split_kernel(
+def decode_split_program(
+    seq, kv_head, split,
     query, k_cache, v_cache, out, partial_out, partial_lse, counters, seq_lens, block_tables, scale_log2,
     k_scale, v_scale,
     stride_q_seq, stride_q_head, stride_o_seq, stride_o_head,
@@ -84,9 +85,8 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
     DOT_F16: tl.constexpr, FUSED_MERGE: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    """One (sequence, KV head, split) of the split kernel: shared with the mixed-batch kernel
+    (kernels/mixed_attention.py), so a decode row computes the same bits in either launch."""
     if KV_FP8:  # dequantization folded: q.(s_k k8) = s_k (q.k8), sum p (s_v v8) = s_v sum p v8
         scale_log2 = scale_log2 * tl.load(k_scale + kv_head)
     seq_len = tl.load(seq_lens + seq)
@@ -150,7 +150,7 @@ def _decode_split_kernel(
         tl.store(partial_lse + slot, lse, mask=row_valid)
         if FUSED_MERGE:
             tl.debug_barrier()  # every thread's partial is stored before the arrival is counted
-            counter = counters + seq * tl.num_programs(1) + kv_head
+            counter = counters + seq * (num_q_heads // GROUP) + kv_head
             # release: this program's partials are visible to whoever sees the count; acquire: the last
             # arrival sees every other split's partials (read from L2 below, `.cg`)
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
@@ -164,6 +164,28 @@ def _decode_split_kernel(
                     merged.to(out.dtype.element_ty), mask=row_valid[:, None],
                 )
                 tl.store(counter, 0)  # ready for the next launch (and the next graph replay)
+
+
+@triton.jit
+def _decode_split_kernel(
+    query, k_cache, v_cache, out, partial_out, partial_lse, counters, seq_lens, block_tables, scale_log2,
+    k_scale, v_scale,
+    stride_q_seq, stride_q_head, stride_o_seq, stride_o_head,
+    stride_cache_block, stride_cache_pos, stride_cache_head, stride_table,
+    num_q_heads,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+    DOT_F16: tl.constexpr, FUSED_MERGE: tl.constexpr,
+):
+    decode_split_program(
+        tl.program_id(0), tl.program_id(1), tl.program_id(2),
+        query, k_cache, v_cache, out, partial_out, partial_lse, counters, seq_lens, block_tables, scale_log2,
+        k_scale, v_scale,
+        stride_q_seq, stride_q_head, stride_o_seq, stride_o_head,
+        stride_cache_block, stride_cache_pos, stride_cache_head, stride_table,
+        num_q_heads,
+        GROUP, BLOCK_H, BLOCK_SIZE, HEAD_DIM, BLOCK_N, NUM_SPLITS, DOT_PRECISION, KV_FP8, DOT_F16, FUSED_MERGE,
+    )
 
 
 @triton.jit

@@ -78,7 +78,8 @@ def _attend_tile(
 
 
 @triton.jit
-def _paged_prefill_kernel(
+def prefill_program(
+    q_tile, head, seq,
     query, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, scale_log2, k_scale, v_scale,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_cache_block, stride_cache_pos, stride_cache_head, stride_table,
@@ -86,9 +87,8 @@ def _paged_prefill_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
     DOT_F16: tl.constexpr,
 ):
-    q_tile = tl.num_programs(0) - 1 - tl.program_id(0)  # longest causal rows start first
-    head = tl.program_id(1)
-    seq = tl.program_id(2)
+    """One (query tile, query head, sequence) of the prefill kernel: shared with the mixed-batch
+    kernel (kernels/mixed_attention.py), so a prompt chunk computes the same bits in either launch."""
     q_start = tl.load(cu_seqlens_q + seq)
     q_len = tl.load(cu_seqlens_q + seq + 1) - q_start
     first_row = q_tile * BLOCK_M
@@ -141,6 +141,25 @@ def _paged_prefill_kernel(
         out + tokens[:, None] * stride_o_tok + head * stride_o_head + dims[None, :],
         result.to(out.dtype.element_ty),
         mask=row_valid[:, None],
+    )
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    query, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, scale_log2, k_scale, v_scale,
+    stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
+    stride_cache_block, stride_cache_pos, stride_cache_head, stride_table,
+    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+    DOT_F16: tl.constexpr,
+):
+    prefill_program(
+        tl.num_programs(0) - 1 - tl.program_id(0),  # longest causal rows start first
+        tl.program_id(1), tl.program_id(2),
+        query, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, scale_log2, k_scale, v_scale,
+        stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
+        stride_cache_block, stride_cache_pos, stride_cache_head, stride_table,
+        GROUP, BLOCK_SIZE, HEAD_DIM, BLOCK_M, BLOCK_N, DOT_PRECISION, KV_FP8, DOT_F16,
     )
 
 

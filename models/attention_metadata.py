@@ -5,8 +5,7 @@ one of these per step (from the rank-0 plan) and passes it explicitly into `mode
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,6 +29,9 @@ class AttentionMetadata:
     # the first num_decode_seqs sequences have query length 1 (their tokens are the first ones): the
     # Triton path runs them through the split-KV decode kernel, the rest through the prefill kernel
     num_decode_seqs: int = 0
+    # the Triton path's per-step launch plans (kernels/mixed_attention.py), keyed by the layer tensors'
+    # geometry: built by the first layer of a step, reused by the others (host time per layer)
+    launch_plans: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -39,14 +41,7 @@ class AttentionMetadata:
     def num_decode_tokens(self) -> int:
         return self.num_decode_seqs  # one token each
 
-    @cached_property
-    def decode_split(self) -> tuple[int, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        """(num_decode, (seq_lens, block_tables) of the decode slice, (cu_seqlens_q, seq_lens,
-        block_tables) of the rest): sliced once per step, not once per layer (host time)."""
-        n = self.num_seqs if self.is_decode else self.num_decode_seqs
-        # the prompt part's small tensors are copied, not sliced: a slice starting at sequence n is 16-byte
-        # aligned only when n is, and Triton compiles a kernel per pointer alignment (a second prefill
-        # kernel compiled in the middle of a job: ~1 s of one mixed step on an H200)
-        rest = (self.cu_seqlens_q[n:].clone(), self.seq_lens[n:].clone(), self.block_tables[n:]) if n else (
-            self.cu_seqlens_q, self.seq_lens, self.block_tables)
-        return n, (self.seq_lens[:n], self.block_tables[:n]), rest
+    @property
+    def num_decode_rows(self) -> int:
+        """The sequences the Triton path sends through the decode kernel (all of them in a decode step)."""
+        return self.num_seqs if self.is_decode else self.num_decode_seqs

@@ -19,6 +19,7 @@ from spmd_engine.kernels.reference import paged_attention_reference, store_kv_re
 from spmd_engine.models.attention_metadata import AttentionMetadata
 
 ATTENTION_BACKENDS = ("torch", "triton")
+_mixed_attention = None  # spmd_engine.kernels.mixed_attention once the Triton path first runs
 
 
 class Attention(nn.Module):
@@ -105,21 +106,26 @@ class Attention(nn.Module):
         return out
 
     def _triton_paged(self, q: torch.Tensor, attn: AttentionMetadata, out: torch.Tensor | None) -> torch.Tensor:
-        """The decode slice (query length 1, first in the batch) through the split-KV decode kernel, the
-        prompt chunks after it through the prefill kernel: host ints only, no device sync."""
-        from spmd_engine.kernels.decode_attention import paged_decode_attention
-        from spmd_engine.kernels.prefill_attention import paged_prefill_attention
-
+        """The decode rows (query length 1, first in the batch) at split-KV decode-kernel efficiency, the
+        prompt chunks after them at prefill efficiency, one launch for both in a mixed batch: host ints
+        only, no device sync. Everything the same for every layer of the step (checks, split count,
+        configs, grids, partial buffers) is planned by the step's first layer and kept on `attn`."""
+        global _mixed_attention
+        if _mixed_attention is None:  # imported on first use (Triton), then a global: no import per layer
+            from spmd_engine.kernels import mixed_attention as _mixed_attention
+        plan_key, plan_paged_attention = _mixed_attention.plan_key, _mixed_attention.plan_paged_attention
         out = torch.empty_like(q) if out is None else out
-        scales = {"k_scale": self.k_scale, "v_scale": self.v_scale}
-        num_decode, (decode_lens, decode_tables), (cu_seqlens, prefill_lens, prefill_tables) = attn.decode_split
-        if num_decode:
-            paged_decode_attention(q[:num_decode], self.k_cache, self.v_cache, decode_lens, decode_tables,
-                                   self.scale, out[:num_decode], **scales)
-        if num_decode < attn.num_seqs:  # cu_seqlens_q holds absolute token offsets: q and out stay whole
-            paged_prefill_attention(q, self.k_cache, self.v_cache, cu_seqlens, prefill_lens, prefill_tables,
-                                    self.scale, attn.max_query_len, out, **scales)
-        return out
+        if q.stride(2) != 1:
+            q = q.contiguous()
+        key = plan_key(q, self.k_cache, out, self.k_scale is not None)
+        plan = attn.launch_plans.get(key)
+        if plan is None:
+            plan = attn.launch_plans[key] = plan_paged_attention(
+                q, self.k_cache, self.v_cache, out, attn.cu_seqlens_q, attn.seq_lens, attn.block_tables,
+                attn.num_decode_rows, attn.max_query_len, k_scale=self.k_scale, v_scale=self.v_scale,
+                # a decode step may be a CUDA-graph capture after warm-up runs over the same metadata
+                share_partials=not attn.is_decode)
+        return plan.launch(q, self.k_cache, self.v_cache, out, self.scale, self.k_scale, self.v_scale)
 
     def _attend_new_tokens_only(self, q, k, v, attn: AttentionMetadata) -> torch.Tensor:
         """Causal attention of each sequence over its own new tokens (no cache bound yet)."""

@@ -98,3 +98,41 @@ def test_mixed_batch_split_into_decode_and_prefill_kernels_equals_all_prefill():
 def test_unknown_backend_is_a_value_error():
     with pytest.raises(ValueError, match="attention_backend must be one of torch, triton"):
         Attention(HQ, HKV, D, 1.0, "flash")
+
+
+@ON_CPU_ONLY
+def test_mixed_step_is_planned_once_and_launched_once_per_layer(monkeypatch):
+    """Every layer of a mixed step reuses the plan the first one built (checks, split count, grids
+    computed once per step) and launches one kernel; each layer's output has the bits of the
+    decode-kernel + prefill-kernel path."""
+    from spmd_engine.kernels import mixed_attention
+    from spmd_engine.kernels.decode_attention import paged_decode_attention
+    from spmd_engine.kernels.prefill_attention import paged_prefill_attention
+
+    tables = torch.tensor([[7, 2, 0], [3, 10, 5], [1, 4, 6], [8, 9, 11]], dtype=torch.int32)
+    cached, step = [(0, 6), (0, 9), (0, 4), (0, 3)], [(6, 1), (9, 1), (4, 5), (3, 2)]
+    layers = [bound_layer("triton") for _ in range(3)]
+    for i, layer in enumerate(layers):
+        layer(*qkv(sum(n for _, n in cached), seed=10 + i), metadata(cached, tables))
+    plans, launches = [], []
+    build = mixed_attention.plan_paged_attention
+    monkeypatch.setattr(mixed_attention, "plan_paged_attention", lambda *a, **k: plans.append(build(*a, **k)) or plans[-1])
+    kernel_type = type(mixed_attention._mixed_paged_attention_kernel)
+    getitem = kernel_type.__getitem__
+    monkeypatch.setattr(kernel_type, "__getitem__", lambda k, grid: launches.append(k.fn.__name__) or getitem(k, grid))
+    attn = metadata(step, tables)
+    attn.num_decode_seqs = 2
+    for i, layer in enumerate(layers):
+        q, k, v = qkv(sum(n for _, n in step), seed=20 + i)
+        out = layer(q, k, v, attn)
+        qh = q.view(-1, HQ, D)
+        expected = torch.empty_like(qh)
+        paged_decode_attention(qh[:2], layer.k_cache, layer.v_cache, attn.seq_lens[:2], tables[:2], layer.scale,
+                               expected[:2])
+        paged_prefill_attention(qh, layer.k_cache, layer.v_cache, attn.cu_seqlens_q[2:].clone(),
+                                attn.seq_lens[2:].clone(), tables[2:], layer.scale, attn.max_query_len, expected)
+        assert torch.equal(out, expected.view(out.shape))
+    assert len(plans) == 1
+    # per layer: its one launch, then the two reference launches of the check
+    launches = [name for name in launches if "store" not in name]  # the layer's KV store is one launch too
+    assert launches == ["_mixed_paged_attention_kernel", "_decode_split_kernel", "_paged_prefill_kernel"] * 3
