@@ -140,6 +140,12 @@ class BlockManager:
             seq.block_table.append(block_id)
         return True
 
+    @property
+    def hash_chains(self) -> dict[int, tuple[int, int | None]]:
+        """seq_id -> (its leading blocks whose hashes are registered, the last one's hash); read-only:
+        lets a caller skip `cache_full_blocks` for a sequence that completed no block (most of them)."""
+        return self._chain
+
     def cache_full_blocks(self, seq: Sequence, num_computed: int) -> None:
         """Register the hashes of the sequence's full blocks among its first `num_computed` tokens,
         whose KV a finished step has written.
