@@ -29,7 +29,7 @@ from spmd_engine.core.plan import COMMAND_STOP, PlanBuilder, StepPlan
 from spmd_engine.core.requests import (NOT_YET, PolledRequests, PromptRequest, RequestOutput, polled,
                                        validate_prompt)
 from spmd_engine.core.scheduler import ScheduleOutput, Scheduler, SchedulerConfig
-from spmd_engine.core.sequence import SamplingParams, Sequence
+from spmd_engine.core.sequence import SamplingParams, Sequence, SequenceStatus
 from spmd_engine.distributed import RankInfo, Replica, gather_errors, make_replica
 from spmd_engine.executor.kv_cache import CudaMemoryBudget, KVCacheSpec, KVCapacity, planned_num_blocks
 from spmd_engine.executor.logits_processors import apply_min_tokens, apply_penalties_and_min_p
@@ -557,9 +557,9 @@ class _Generation:
         self.consts_done.clear()
         now = time.perf_counter() - self.start
         by_seq: dict[int, int] = {}
-        live = self.live
+        live, finished = self.live, SequenceStatus.FINISHED
         for seq, token in zip(sampled.seqs, tokens.tolist()):  # Python ints at once, not one int() per row
-            if seq.is_finished:
+            if seq.status is finished:
                 continue
             out = live[seq.seq_id][1]
             if out.first_token_time is None:
