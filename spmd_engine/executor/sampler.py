@@ -63,7 +63,9 @@ def request_seed(engine_seed: int, generation: int, index: int) -> int:
     so a whole job is reproducible for a fixed engine seed, a resumed job draws what the first run
     would have, and two generate calls of one engine differ. Returns a uint64 value."""
     entropy = [int(engine_seed) & _UINT64, int(generation), int(index) & _UINT64]
-    return int(np.random.default_rng(entropy).integers(0, 1 << 64, dtype=np.uint64))
+    # = default_rng(entropy).integers(0, 1 << 64, dtype=np.uint64): a full-range uint64 draw is the bit
+    # generator's next raw output (numpy's bounded-integer code returns it as is); without the Generator
+    return int(np.random.PCG64(entropy).random_raw())
 
 
 def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, round_: int, vocab: int) -> torch.Tensor:
