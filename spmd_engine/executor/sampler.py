@@ -178,8 +178,10 @@ def _unpack_group(keys: torch.Tensor, at: int, m: int, selected: bool) -> _Group
 
 class _KeyStaging:
     """The sampler's keys on their way to the device: one pinned host buffer, reused step after step
-    (CUDA; elsewhere the packed array is used as is). Before it is overwritten the host waits for the
-    copy out of it, which the previous step's token readback has already waited for."""
+    (CUDA; elsewhere the packed array is used as is). It is reused only once the copy out of it is
+    done (in the step loop the previous step's token readback has already waited for it); while that
+    copy is still queued a fresh buffer is taken instead, so the host never waits for the GPU here
+    (the caching host allocator keeps the old one until its copy has run)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -190,11 +192,8 @@ class _KeyStaging:
         if self._copied is None:
             return torch.from_numpy(packed).to(self.device)
         n = packed.shape[0]
-        if self._host is None or self._host.shape[0] < n:
-            # a new buffer: the old one is freed by the caching host allocator only once its copy is done
+        if self._host is None or self._host.shape[0] < n or not self._copied.query():
             self._host = torch.empty(max(n, 1024), dtype=torch.int64, pin_memory=True)
-        else:
-            self._copied.synchronize()
         self._host[:n].numpy()[:] = packed
         keys = self._host[:n].to(self.device, non_blocking=True)
         self._copied.record()
