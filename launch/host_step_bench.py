@@ -12,6 +12,7 @@ Only the forward is fake: it returns a cached logits tensor.
     python launch/host_step_bench.py                     # the 2048-request bench (~1 min on 2 cores)
     python launch/host_step_bench.py --profile           # plus a cProfile top-20 by cumulative time
     python launch/host_step_bench.py --repo /tmp/wt980   # another checkout's engine (before/after)
+    python launch/host_step_bench.py --clock thread      # phases in the loop thread's CPU time (a busy machine)
 
 Prints the mean host ms per phase (`last_run['step_timing']`) per step kind, and the sha256 of the
 finalized outputs.jsonl (equal across two trees = the same rows, byte for byte).
@@ -50,6 +51,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=512, help="logits columns (small: the sampler's math stays cheap)")
     p.add_argument("--temperature", type=float, default=0.6, help="the bench's; 0 = greedy")
     p.add_argument("--profile", action="store_true", help="print a cProfile top-20 (cumulative) of the loop")
+    p.add_argument("--clock", choices=("wall", "thread"), default="wall",
+                   help="what the phases count: wall time (as the engine does), or the loop thread's CPU time "
+                        "(time.thread_time: time spent descheduled on a shared machine is left out)")
     return p.parse_args()
 
 
@@ -74,7 +78,11 @@ def main() -> None:
     from spmd_engine.job.workloads import bench_requests
 
     torch.set_num_threads(1)
-    print(f"engine: {Path(spmd_engine.__file__).resolve().parent}")
+    print(f"engine: {Path(spmd_engine.__file__).resolve().parent}  clock: {args.clock}")
+    if args.clock == "thread":  # the phases' clock only (spmd_engine.telemetry.step_timing.PhaseClock)
+        import spmd_engine.telemetry.step_timing as step_timing
+        step_timing.time = SimpleNamespace(**{**{k: getattr(time, k) for k in dir(time) if not k.startswith("__")},
+                                              "perf_counter": time.thread_time})
     max_blocks = -(-args.max_model_len // args.block_size)
     num_blocks = args.max_num_seqs * max_blocks  # every sequence at full length at once: no preemption
     eos = args.vocab - 1

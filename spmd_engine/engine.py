@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -29,7 +29,7 @@ from spmd_engine.core.plan import COMMAND_STOP, PlanBuilder, StepPlan
 from spmd_engine.core.requests import (NOT_YET, PolledRequests, PromptRequest, RequestOutput, polled,
                                        validate_prompt)
 from spmd_engine.core.scheduler import ScheduleOutput, Scheduler, SchedulerConfig
-from spmd_engine.core.sequence import SamplingParams, Sequence
+from spmd_engine.core.sequence import SamplingParams, Sequence, SequenceStatus
 from spmd_engine.distributed import RankInfo, Replica, gather_errors, make_replica
 from spmd_engine.executor.kv_cache import CudaMemoryBudget, KVCacheSpec, KVCapacity, planned_num_blocks
 from spmd_engine.executor.logits_processors import apply_min_tokens, apply_penalties_and_min_p
@@ -37,7 +37,7 @@ from spmd_engine.executor.logprobs import (PendingLogprobs, SampledLogprobRows, 
                                            host_to_device, prompt_logit_count)
 from spmd_engine.executor.model_runner import ModelRunner, RunnerSettings, StagedStep
 from spmd_engine.executor.model_source import ModelSource, resolve_model_source
-from spmd_engine.executor.sampler import Sampler, SamplingRow, request_seed
+from spmd_engine.executor.sampler import Sampler, SamplingBatch, request_seed, seed_bits
 from spmd_engine.executor.token_readback import TokenReadback
 from spmd_engine.executor.tp_allreduce import (ProcessGroupAllReduce, SymmMemAllReduce, TpAllReduceUnavailable,
                                                TpGroup, make_tp_allreduce, symm_mem_buffer_bytes)
@@ -340,6 +340,9 @@ class _Generation:
         self.defaults = cfg.sampling
         self.outputs: list[RequestOutput] = []
         self.live: dict[int, tuple[Sequence, RequestOutput]] = {}
+        self.row_consts: dict[int, _RowConsts] = {}  # seq_id -> what its sampling rows need, fixed per request
+        # finished since the last postprocess: the step in flight may still sample them once (and drop the token)
+        self.consts_done: list[int] = []
         self.keep_outputs = keep_outputs
         self.total = len(requests) if hasattr(requests, "__len__") else None
         self.requests = polled(requests)  # pulled by `_refill` as the batch has room
@@ -377,6 +380,9 @@ class _Generation:
                                             params.include_stop_str_in_output)
         self.scheduler.add(seq)
         self.live[seq_id] = (seq, out)
+        self.row_consts[seq_id] = _RowConsts(
+            seed_bits(seed), params.temperature, params.top_p, params.top_k, seq.num_prompt_tokens,
+            bool(params.logprobs is not None or params.min_tokens or params.has_penalties or params.min_p > 0))
 
     def run(self) -> list[RequestOutput]:
         self.start = time.perf_counter()
@@ -477,19 +483,27 @@ class _Generation:
     def _sample(self, launched: _Launched, timeline: GpuTimeline) -> _Sampled:
         """Queue sampling of a launched step's logits and the copy of its tokens to the host."""
         schedule = launched.schedule
-        picked = [(s, before + num_new) for s, before, num_new, flag in
-                  zip(schedule.seqs, schedule.num_computed_before, schedule.num_new_tokens, schedule.sample) if flag]
-        seqs = [s for s, _ in picked]
+        flags = schedule.sample
+        seqs = [s for s, flag in zip(schedule.seqs, flags) if flag]
         if not seqs:
             return _Sampled(schedule, [], None, None, prompt_logprobs=launched.prompt_logprobs)
         # the counter is the index of the drawn token within the output (its position minus the
         # prompt), fixed at scheduling: planning ahead, chunking or preemption cannot shift a draw
-        rows = [SamplingRow(s.seq_id, s.params.temperature, s.params.top_p, s.params.top_k, s.sampling_seed,
-                            position - s.num_prompt_tokens) for s, position in picked]
-        # logprobs of the raw logits, before any transform (None and no work when no row asks)
-        wanted = SampledLogprobRows.take(launched.logits, [s.params.logprobs for s in seqs])
-        apply_min_tokens(launched.logits, picked, self.scheduler.eos_token_ids)
-        apply_penalties_and_min_p(launched.logits, picked)
+        positions = [before + num_new for before, num_new, flag in
+                     zip(schedule.num_computed_before, schedule.num_new_tokens, flags) if flag]
+        consts = self.row_consts
+        seeds, temperatures, top_ps, top_ks, prompt_lens, transformed = zip(*[consts[s.seq_id] for s in seqs])
+        rows = SamplingBatch(np.array(seeds, dtype=np.int64),
+                             np.array(positions, dtype=np.int64) - np.array(prompt_lens, dtype=np.int64),
+                             np.array(temperatures, dtype=np.float64), np.array(top_ps, dtype=np.float64),
+                             np.array(top_ks, dtype=np.int64))
+        wanted = None
+        if any(transformed):  # some row asks for logprobs, min_tokens, penalties or min_p
+            picked = list(zip(seqs, positions))
+            # logprobs of the raw logits, before any transform (None and no work when no row asks)
+            wanted = SampledLogprobRows.take(launched.logits, [s.params.logprobs for s in seqs])
+            apply_min_tokens(launched.logits, picked, self.scheduler.eos_token_ids)
+            apply_penalties_and_min_p(launched.logits, picked)
         timeline.mark(launched.index, "sample_start")
         tokens = self.sampler.sample_on_device(launched.logits, rows)
         timeline.mark(launched.index, "sample_end")
@@ -538,11 +552,14 @@ class _Generation:
     def _postprocess(self, sampled: _Sampled, tokens: np.ndarray) -> None:
         if sampled.logprobs is not None or sampled.prompt_logprobs is not None:
             self._record_logprobs(sampled, tokens)
+        for seq_id in self.consts_done:  # sampled for the last time: the step in flight came after their finish
+            del self.row_consts[seq_id]
+        self.consts_done.clear()
         now = time.perf_counter() - self.start
         by_seq: dict[int, int] = {}
-        live = self.live
+        live, finished = self.live, SequenceStatus.FINISHED
         for seq, token in zip(sampled.seqs, tokens.tolist()):  # Python ints at once, not one int() per row
-            if seq.is_finished:
+            if seq.status is finished:
                 continue
             out = live[seq.seq_id][1]
             if out.first_token_time is None:
@@ -563,6 +580,7 @@ class _Generation:
 
     def _finish(self, seq: Sequence) -> None:
         _, out = self.live.pop(seq.seq_id)
+        self.consts_done.append(seq.seq_id)
         out.token_ids = list(seq.output_token_ids)
         out.finish_reason = seq.finish_reason
         out.stop_reason = seq.stop_reason
@@ -576,6 +594,17 @@ class _Generation:
         else:
             out.text = self.decode(out.token_ids) if self.decode else None
         self.on_finish(out)
+
+
+class _RowConsts(NamedTuple):
+    """A request's sampling constants, gathered once at admission (a step reads them for every row)."""
+
+    seed: int  # seed_bits of its noise seed
+    temperature: float
+    top_p: float
+    top_k: int
+    num_prompt_tokens: int
+    transformed: bool  # logprobs, min_tokens, penalties or min_p: the logits processors look at it
 
 
 @dataclass

@@ -18,11 +18,13 @@ from spmd_engine.core.sequence import Sequence
 
 def hash_block(parent_hash: int | None, token_ids: Seq[int]) -> int:
     """xxhash64 over the parent block's hash and this block's token ids (the chain makes it a prefix hash)."""
-    hasher = xxhash.xxh64()
-    if parent_hash is not None:
-        hasher.update(parent_hash.to_bytes(8, "little"))
-    hasher.update(np.asarray(token_ids, dtype=np.int64).tobytes())
-    return hasher.intdigest()
+    return hash_block_bytes(parent_hash, np.asarray(token_ids, dtype=np.int64).tobytes())
+
+
+def hash_block_bytes(parent_hash: int | None, data: bytes) -> int:
+    """`hash_block` of a block whose token ids are already int64 bytes: xxh64 of the parent's 8 bytes
+    (little-endian) then the ids', in one shot."""
+    return xxhash.xxh64_intdigest(data if parent_hash is None else parent_hash.to_bytes(8, "little") + data)
 
 
 @dataclass
@@ -140,6 +142,12 @@ class BlockManager:
             seq.block_table.append(block_id)
         return True
 
+    @property
+    def hash_chains(self) -> dict[int, tuple[int, int | None]]:
+        """seq_id -> (its leading blocks whose hashes are registered, the last one's hash); read-only:
+        lets a caller skip `cache_full_blocks` for a sequence that completed no block (most of them)."""
+        return self._chain
+
     def cache_full_blocks(self, seq: Sequence, num_computed: int) -> None:
         """Register the hashes of the sequence's full blocks among its first `num_computed` tokens,
         whose KV a finished step has written.
@@ -154,9 +162,15 @@ class BlockManager:
         num_full = min(num_full, len(seq.block_table))
         if num_full <= num_hashed:  # most steps of most sequences complete no block (called per sequence)
             return
+        size = self.block_size
+        # the blocks' token bytes in one conversion (a prefill chunk completes tens of blocks), each
+        # block's hash `hash_block`'s
+        raw = np.asarray(seq.token_ids[num_hashed * size : num_full * size], dtype=np.int64).tobytes()
+        width = 8 * size
         for i in range(num_hashed, num_full):
-            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-            block_hash = hash_block(parent, tokens)
+            tokens = tuple(seq.token_ids[i * size : (i + 1) * size])
+            data = raw[(i - num_hashed) * width : (i - num_hashed + 1) * width]
+            block_hash = hash_block_bytes(parent, data)
             block_id = seq.block_table[i]
             block = self.blocks[block_id]
             if block_hash not in self._hash_to_block and block.hash is None:

@@ -20,6 +20,7 @@ every KV slot the step touches.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import compress
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -148,24 +149,47 @@ class PlanBuilder:
             return None
         self._unsent_drops = []
 
-        num = output.num_seqs
         resets: list[bool] = []  # Python lists, one array each at the end: numpy item writes cost more
         counts: list[int] = []
         new_ids: list[int] = []
         inputs = _Inputs()
+        ids, deferred_positions, deferred_rows = inputs.ids, inputs.deferred_positions, inputs.deferred_rows
+        sent_tables, sample_rows = self._sent, self._sample_rows
+        seq_ids: list[int] = []
         for seq, start, n in zip(output.seqs, output.num_computed_before, output.num_new_tokens):
-            reset, count = self._table_delta(seq, step, new_ids)
-            resets.append(reset)
-            counts.append(count)
-            self._add_inputs(seq, start, n, inputs)
+            # the common cases inline (per sequence per step): a held table that gained no block, then
+            # a decode input that is known (one append) or the token the step in flight is sampling
+            seq_id, table = seq.seq_id, seq.block_table
+            seq_ids.append(seq_id)
+            held = sent_tables.get(seq_id)
+            if held is not None and held[0] == len(table) and held[2] == seq.num_preemptions and (
+                    not held[0] or table[held[0] - 1] == held[1]):
+                resets.append(False)
+                counts.append(0)
+            else:
+                reset, count = self._table_delta(seq, step, new_ids)
+                resets.append(reset)
+                counts.append(count)
+            if n == 1:
+                num_known = len(seq.token_ids) - start
+                if num_known > 0:
+                    ids.append(seq.token_ids[start])
+                    continue
+                row = sample_rows.get(seq_id)
+                if num_known == 0 and row is not None:
+                    deferred_positions.append(len(ids))
+                    deferred_rows.append(row)
+                    ids.append(0)
+                    continue
+            self._add_inputs(seq, start, n, inputs)  # prompt chunks, and the errors
         prev_sampled = self._num_sampled
-        sampled_ids = [s.seq_id for s, flag in zip(output.seqs, output.sample) if flag]
-        self._sample_rows = {sid: row for row, sid in enumerate(sampled_ids)}
+        sampled_ids = list(compress(seq_ids, output.sample))
+        self._sample_rows = dict(zip(sampled_ids, range(len(sampled_ids))))
         self._num_sampled = len(sampled_ids)
 
         return StepPlan(
             step=step,
-            seq_ids=np.fromiter((s.seq_id for s in output.seqs), dtype=np.int64, count=num),
+            seq_ids=np.array(seq_ids, dtype=np.int64),
             num_computed=np.asarray(output.num_computed_before, dtype=np.int32),
             query_lens=np.asarray(output.num_new_tokens, dtype=np.int32),
             input_ids=np.asarray(inputs.ids, dtype=np.int32),

@@ -171,27 +171,50 @@ class Scheduler:
         """Running sequences, in admission order: decodes take 1 token, prefills their next chunk (within
         `prompt_budget` prompt tokens); when blocks run out the most recently admitted is preempted.
         Returns the token and prompt budgets left."""
-        bm = self.block_manager
+        block_size, max_model_len = self.block_manager.block_size, self.config.max_model_len
+        running = self.running
+        seqs, new_tokens, computed_before, samples = out.seqs, out.num_new_tokens, out.num_computed_before, out.sample
         i = 0
-        while i < len(self.running) and token_budget > 0:
-            seq = self.running[i]
-            remaining = len(seq.token_ids) + seq.num_pending_tokens - seq.num_computed_tokens  # planned - computed
-            if self._ends_with_pending(seq) or (remaining > 1 and prompt_budget <= 0):
-                i += 1  # finishes by length once its pending token is read / no prompt budget left
+        while i < len(running) and token_budget > 0:
+            seq = running[i]
+            token_ids, pending, computed = seq.token_ids, seq.num_pending_tokens, seq.num_computed_tokens
+            remaining = len(token_ids) + pending - computed  # planned - computed
+            if pending:  # `_ends_with_pending`, inline (asked per running sequence per step)
+                planned = len(token_ids) + pending
+                if planned - seq.num_prompt_tokens >= seq.params.max_tokens or planned >= max_model_len:
+                    i += 1  # finishes by length once its pending token is read
+                    continue
+            if remaining > 1 and prompt_budget <= 0:
+                i += 1  # no prompt budget left
                 continue
             num_new = min(remaining, token_budget) if remaining == 1 else min(remaining, token_budget, prompt_budget)
-            while not bm.ensure_slots(seq, seq.num_computed_tokens + num_new):
-                victim = self.running.pop()  # most recently admitted; never one already scheduled
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is seq:
-                    break
-            else:
-                out._add(seq, num_new)
-                token_budget -= num_new
-                prompt_budget -= num_new if remaining > 1 else 0
-                i += 1
+            total = computed + num_new
+            # the table covers the tokens (most steps): no call; else grow it, preempting if short
+            if total > len(seq.block_table) * block_size and not self._make_room(seq, total, out):
+                continue  # `seq` itself was preempted (the last running one): the loop ends
+            # ScheduleOutput._add, inline: account for the tokens now (see the module docstring)
+            sample = total == len(token_ids) + pending  # reaches num_planned_tokens
+            seqs.append(seq)
+            new_tokens.append(num_new)
+            computed_before.append(computed)
+            samples.append(sample)
+            seq.num_computed_tokens = total
+            seq.num_pending_tokens = pending + sample
+            token_budget -= num_new
+            prompt_budget -= num_new if remaining > 1 else 0
+            i += 1
         return token_budget, prompt_budget
+
+    def _make_room(self, seq: Sequence, num_tokens_total: int, out: ScheduleOutput) -> bool:
+        """Grow `seq`'s table to `num_tokens_total` tokens, preempting the most recently admitted
+        running sequences while the pool is short; False if `seq` itself was preempted."""
+        while not self.block_manager.ensure_slots(seq, num_tokens_total):
+            victim = self.running.pop()  # most recently admitted; never one already scheduled
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
 
     def _admit_waiting(self, out: ScheduleOutput, token_budget: int, prompt_budget: int) -> int:
         """Admit waiting sequences FCFS (not after a preemption: the pool is tight right now); returns
@@ -238,15 +261,18 @@ class Scheduler:
         `stop_string_check(seq, token)`: the stop string the token completed, or None; the caller's
         incremental detokenizer (core/detokenizer.py), asked for sequences with `stop` strings."""
         finished: list[Sequence] = []
-        cache_full_blocks = self.block_manager.cache_full_blocks if self.block_manager.enable_prefix_caching else None
+        bm = self.block_manager
+        caching, chains, block_size = bm.enable_prefix_caching, bm.hash_chains, bm.block_size
         running, done = SequenceStatus.RUNNING, SequenceStatus.FINISHED
         for seq, before, num_new, sample in zip(output.seqs, output.num_computed_before, output.num_new_tokens,
                                                 output.sample):
             status = seq.status
             if status is done:  # aborted, or finished by the step before (this one ran speculatively)
                 continue
-            if status is running and cache_full_blocks is not None:  # a preempted one holds no blocks any more
-                cache_full_blocks(seq, before + num_new)
+            if status is running and caching:  # a preempted one holds no blocks any more
+                chain = chains.get(seq.seq_id)  # skip the call when no block can have completed (most steps)
+                if (before + num_new) // block_size > (chain[0] if chain is not None else 0):
+                    bm.cache_full_blocks(seq, before + num_new)
             if not sample:
                 continue
             token = sampled[seq.seq_id]

@@ -64,15 +64,12 @@ class BlockTableMirror:
                 self._free_rows.append(row)
         offset = 0
         seq_ids = plan.seq_ids.tolist()
-        for sid, reset, count in zip(seq_ids, plan.reset_tables.tolist(), plan.new_block_counts.tolist()):
-            if reset:
-                row = self._new_row(sid)
-            elif count:
-                row = self._row.get(sid)
-            elif sid in self._row:
-                continue
-            else:
-                row = None
+        # only the sequences whose table changed are visited (per step a few of ~250 gain a block)
+        changed = np.flatnonzero(plan.reset_tables | (plan.new_block_counts != 0))
+        for b, reset, count in zip(changed.tolist(), plan.reset_tables[changed].tolist(),
+                                   plan.new_block_counts[changed].tolist()):
+            sid = seq_ids[b]
+            row = self._new_row(sid) if reset else self._row.get(sid)
             if row is None:
                 raise RuntimeError(f"step {plan.step}: seq {sid} has no block table and no reset")
             if count:
@@ -86,7 +83,10 @@ class BlockTableMirror:
             raise RuntimeError(f"step {plan.step}: {plan.new_block_ids.shape[0]} new block ids, used {offset}")
         if not seq_ids:
             return np.zeros((0, self.max_blocks), dtype=np.int32)
-        rows = np.fromiter(map(self._row.__getitem__, seq_ids), dtype=np.int64, count=len(seq_ids))
+        try:
+            rows = np.fromiter(map(self._row.__getitem__, seq_ids), dtype=np.int64, count=len(seq_ids))
+        except KeyError as missing:  # an unchanged sequence the mirror holds no table of
+            raise RuntimeError(f"step {plan.step}: seq {missing.args[0]} has no block table and no reset") from None
         # int32 is enough: a table holds at most max_model_len tokens
         lens = self._lens[rows]
         tokens = plan.num_computed + plan.query_lens

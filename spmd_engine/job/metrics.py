@@ -77,19 +77,35 @@ class RunningStats:
 
 
 def _sample_into(kept: list[float], seen: int, values: list[float], cap: int = SAMPLE_CAP) -> int:
-    """Reservoir sampling (Algorithm R, a fixed seed per count: reproducible); returns the new count."""
+    """Reservoir sampling (Algorithm R, the slot of the n-th value a fixed hash of n: reproducible, and
+    the same sample however the values are split into calls or merged); returns the new count."""
     if len(kept) + len(values) <= cap:  # below the cap every value is kept: one extend per request
         kept.extend(values)
         return seen + len(values)
-    for value in values:
-        if len(kept) < cap:
-            kept.append(value)
-        else:
-            slot = random.Random(seen).randrange(seen + 1)
-            if slot < cap:
-                kept[slot] = value
-        seen += 1
-    return seen
+    room = cap - len(kept)
+    if room > 0:
+        kept.extend(values[:room])
+        seen += room
+        values = values[room:]
+    if len(values):
+        slots = _reservoir_slots(seen, len(values))
+        hits = np.flatnonzero(slots < cap)
+        for i, slot in zip(hits.tolist(), slots[hits].tolist()):  # in order: a later value wins a slot
+            kept[slot] = values[i]
+    return seen + len(values)
+
+
+def _reservoir_slots(first: int, count: int) -> np.ndarray:
+    """Algorithm R's draw for the values numbered first .. first + count - 1: value n goes to a slot
+    uniform in [0, n] (kept if below the cap), from a splitmix64 hash of n. Vectorised: a seeded
+    `random.Random` per value cost ~5 us, ~2.6 ms per finished request of 500 tokens past the cap,
+    on rank 0's step path."""
+    n = np.arange(first, first + count, dtype=np.uint64)
+    z = n + np.uint64(0x9E3779B97F4A7C15)  # uint64 arrays wrap silently
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z ^= z >> np.uint64(31)
+    return (z % (n + np.uint64(1))).astype(np.int64)
 
 
 def summarize(outputs: list[RequestOutput], wall_time_s: float) -> dict:

@@ -30,6 +30,8 @@ _SPLITLINES_BREAKS = {0x85: "\\u0085", 0x2028: "\\u2028", 0x2029: "\\u2029"}
 def _dumps(row: dict) -> str:
     """One JSON line; text that can't be UTF-8 (a lone surrogate) is written escaped instead of failing."""
     line = json.dumps(row, ensure_ascii=False)
+    if line.isascii():  # the common case (token ids, ASCII text): nothing to check or escape
+        return line + "\n"
     try:
         line.encode("utf-8")
     except UnicodeEncodeError:

@@ -1,7 +1,8 @@
+import numpy as np
 import pytest
 
 from spmd_engine.core import block_manager as bm_module
-from spmd_engine.core.block_manager import BlockManager, hash_block
+from spmd_engine.core.block_manager import BlockManager, hash_block, hash_block_bytes
 from spmd_engine.core.sequence import Sequence
 
 BS = 4
@@ -26,6 +27,8 @@ def test_hash_is_chained():
     assert hash_block(None, [1, 2]) == hash_block(None, [1, 2])
     assert hash_block(None, [1, 2]) != hash_block(None, [2, 1])
     assert hash_block(1, [1, 2]) != hash_block(2, [1, 2])
+    ids = np.arange(40, 48, dtype=np.int64)  # the one-shot form over int64 bytes is the same hash
+    assert hash_block_bytes(2**63 + 5, ids.tobytes()) == hash_block(2**63 + 5, ids.tolist())
 
 
 def test_ensure_slots_all_or_nothing():
@@ -85,6 +88,7 @@ def test_full_hit_still_computes_the_last_token():
 
 def test_hash_collision_guard(monkeypatch):
     monkeypatch.setattr(bm_module, "hash_block", lambda parent, tokens: 12345)
+    monkeypatch.setattr(bm_module, "hash_block_bytes", lambda parent, data: 12345)  # cache_full_blocks's
     bm = BlockManager(8, BS, enable_prefix_caching=True)
     a = computed(bm, admit(bm, 0, [1, 2, 3, 4, 5]))
     other = admit(bm, 1, [9, 9, 9, 9, 5])  # same (forced) hash, different tokens

@@ -319,3 +319,40 @@ def test_row_keys_start_16_byte_aligned_for_any_row_count(n):
     seeds, counters = row_keys(rows, torch.device("cpu"))
     assert seeds.data_ptr() % 16 == 0 and counters.data_ptr() % 16 == 0
     assert counters.tolist() == [i + 3 for i in range(n)] and seeds.shape == counters.shape == (n,)
+
+
+def test_batch_paths_and_keys_equal_the_rows_one_by_one():
+    """SamplingBatch groups rows with array comparisons and packs every group's keys into one copy:
+    the same path as `path_of` per row (edge values included), each section 16-byte aligned, and the
+    same tokens as one row at a time."""
+    from spmd_engine.executor.sampler import PATHS, SamplingBatch, _pack_groups, _unpack_group
+    params = itertools.product((0.0, 1e-5 / 2, 1e-5, 0.7), (1.0, 0.95), (-1, 0, 5, TOP_K_FAST_MAX, TOP_K_FAST_MAX + 1))
+    rows = [row(i, t, p, k, seed=(-1) ** i * 2**62 + i, counter=i) for i, (t, p, k) in enumerate(params)]
+    batch = SamplingBatch.from_rows(rows)
+    assert [PATHS[c] for c in batch.paths()] == [path_of(r) for r in rows]
+    codes = batch.paths()
+    groups = [None] + [np.flatnonzero(codes == k) for k in range(1, len(PATHS))]
+    packed, layout = _pack_groups(batch, groups)
+    keys = torch.from_numpy(packed)
+    for (at, m), members in zip(layout, groups):
+        got = _unpack_group(keys, at, m, members is not None)
+        for t in (got.seeds, got.counters, got.temperatures, got.top_p):
+            assert t.data_ptr() % 16 == 0
+        sel = slice(None) if members is None else members
+        assert got.seeds.tolist() == [seed_bits(r.seed) for r in np.array(rows, dtype=object)[sel]]
+        assert got.temperatures.tolist() == torch.tensor(batch.temperatures[sel], dtype=torch.float32).tolist()
+        if members is not None:
+            assert got.index.tolist() == members.tolist()
+    logits = torch.randn(len(rows), 2048, generator=torch.Generator().manual_seed(3))
+    together = Sampler(DEVICE).sample(logits.to(DEVICE), batch)
+    alone = [int(Sampler(DEVICE).sample(logits[i:i + 1].to(DEVICE), [r])[0]) for i, r in enumerate(rows)]
+    assert together.tolist() == alone
+
+
+@pytest.mark.parametrize("engine_seed", [0, 12345, 2**64 - 1, -3])
+def test_request_seed_is_the_generators_full_range_draw(engine_seed):
+    """request_seed reads PCG64's raw output: what numpy's Generator returns for a full-range uint64 draw."""
+    for generation, index in ((0, 0), (7, 1), (100_000, 2**40 + 3)):
+        entropy = [engine_seed & (2**64 - 1), generation, index]
+        want = int(np.random.default_rng(entropy).integers(0, 1 << 64, dtype=np.uint64))
+        assert request_seed(engine_seed, generation, index) == want
