@@ -50,10 +50,12 @@ from spmd_engine.kernels.prefill_attention import (
 )
 
 _LOG2_E = 1.4426950408889634
-# a mixed batch in one launch (False: the decode and prefill kernels back to back, the same bytes). The
-# one-launch kernel holds the larger body's registers, so its decode programs may keep fewer resident
-# per SM than the decode kernel's: kernels/bench_attention.py's mixed rows time both (`plan`, `plan2`).
-ONE_LAUNCH = True
+# a mixed batch in one launch (False: the decode and prefill kernels back to back, the same bytes). Off by
+# default, measured (docs/BENCHMARKS.md, session 5 call D): the one-launch kernel is large (both bodies),
+# and each split count of its decode part is another compiled variant; on an empty Triton cache the
+# 256-request bench compiled them in its first mixed steps (17 steps x 403 ms, the run at half its speed).
+# Turn it on once start-up compiles the variants a job will meet.
+ONE_LAUNCH = False
 
 
 @triton.jit(do_not_specialize=["num_decode", "num_q_tiles", "prefill_programs"])

@@ -58,7 +58,7 @@ def test_one_plan_over_several_layers_is_bitwise_the_two_kernel_path(num_decode,
         if plan is None:
             plan = plan_paged_attention(current.query, current.k_cache, current.v_cache, out, current.cu_seqlens_q,
                                         current.seq_lens, current.block_tables, num_decode, current.max_query_len,
-                                        k_scale=current.k_scale, v_scale=current.v_scale)
+                                        k_scale=current.k_scale, v_scale=current.v_scale, fuse=True)
             assert plan.mixed is not None
         plan.launch(current.query, current.k_cache, current.v_cache, out, current.scale, current.k_scale,
                     current.v_scale)
@@ -76,7 +76,7 @@ def test_batch_composition_compiles_no_new_variant():
         batch = mixed_batch(num_decode, 100, [(num_decode + 3, 2000), (17, 17)], 16, seed=num_decode, spread=200)
         out = torch.empty_like(batch.query)
         plan = plan_paged_attention(batch.query, batch.k_cache, batch.v_cache, out, batch.cu_seqlens_q,
-                                    batch.seq_lens, batch.block_tables, num_decode, batch.max_query_len)
+                                    batch.seq_lens, batch.block_tables, num_decode, batch.max_query_len, fuse=True)
         plan.launch(batch.query, batch.k_cache, batch.v_cache, out, batch.scale)
         assert torch.equal(out, two_kernel_path(batch, num_decode))
         sizes.append(len(kernel.device_caches[torch.cuda.current_device()][0]))

@@ -101,11 +101,14 @@ def test_unknown_backend_is_a_value_error():
 
 
 @ON_CPU_ONLY
-def test_mixed_step_is_planned_once_and_launched_once_per_layer(monkeypatch):
+@pytest.mark.parametrize("one_launch", [True, False])
+def test_mixed_step_is_planned_once_and_launched_once_per_layer(monkeypatch, one_launch):
     """Every layer of a mixed step reuses the plan the first one built (checks, split count, grids
-    computed once per step) and launches one kernel; each layer's output has the bits of the
-    decode-kernel + prefill-kernel path."""
+    computed once per step) and launches one kernel (or, `ONE_LAUNCH` off, the decode and prefill kernels);
+    each layer's output has the bits of the decode-kernel + prefill-kernel path."""
     from spmd_engine.kernels import mixed_attention
+
+    monkeypatch.setattr(mixed_attention, "ONE_LAUNCH", one_launch)
     from spmd_engine.kernels.decode_attention import paged_decode_attention
     from spmd_engine.kernels.prefill_attention import paged_prefill_attention
 
@@ -135,4 +138,5 @@ def test_mixed_step_is_planned_once_and_launched_once_per_layer(monkeypatch):
     assert len(plans) == 1
     # per layer: its one launch, then the two reference launches of the check
     launches = [name for name in launches if "store" not in name]  # the layer's KV store is one launch too
-    assert launches == ["_mixed_paged_attention_kernel", "_decode_split_kernel", "_paged_prefill_kernel"] * 3
+    layer_launches = ["_mixed_paged_attention_kernel"] if one_launch else ["_decode_split_kernel", "_paged_prefill_kernel"]
+    assert launches == (layer_launches + ["_decode_split_kernel", "_paged_prefill_kernel"]) * 3
