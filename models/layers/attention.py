@@ -107,8 +107,8 @@ class Attention(nn.Module):
 
     def _triton_paged(self, q: torch.Tensor, attn: AttentionMetadata, out: torch.Tensor | None) -> torch.Tensor:
         """The decode rows (query length 1, first in the batch) at split-KV decode-kernel efficiency, the
-        prompt chunks after them at prefill efficiency, one launch for both in a mixed batch: host ints
-        only, no device sync. Everything the same for every layer of the step (checks, split count,
+        prompt chunks after them at prefill efficiency (one launch for both with
+        `mixed_attention.ONE_LAUNCH`): host ints only, no device sync. Everything the same for every layer of the step (checks, split count,
         configs, grids, partial buffers) is planned by the step's first layer and kept on `attn`."""
         global _mixed_attention
         if _mixed_attention is None:  # imported on first use (Triton), then a global: no import per layer
