@@ -73,6 +73,23 @@ def decode_num_splits(
     return max(1, min(by_length, by_occupancy, MAX_SPLITS))
 
 
+def split_count(kernel: str, num_splits: int | None, num_seqs: int, k_cache: torch.Tensor,
+                block_tables: torch.Tensor, cfg: DecodeConfig) -> int:
+    """`num_splits`, or when None the count that fills the GPU (`decode_num_splits`); one line naming the
+    kernel when it is out of range. The one rule for the decode kernel and the attention plan."""
+    if num_splits is None:
+        target = cfg.programs_per_sm * _num_sms(k_cache.device)
+        num_splits = decode_num_splits(num_seqs, k_cache.shape[2], block_tables.shape[1], k_cache.shape[1], target)
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"{kernel}: num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+    return num_splits
+
+
+def decode_block_h(group: int) -> int:
+    """Rows of the split kernel's query tile: the GROUP heads of one KV head, at least tl.dot's 16."""
+    return max(16, triton.next_power_of_2(group))
+
+
 @triton.jit
 def decode_split_program(
     seq, kv_head, split,
@@ -268,11 +285,7 @@ def paged_decode_attention(
     if out.stride(2) != 1:
         raise ValueError("paged_decode_attention: out must have a contiguous head_dim")
     cfg = config or default_decode_config(head_dim, query.device)
-    if num_splits is None:
-        target = cfg.programs_per_sm * _num_sms(query.device)
-        num_splits = decode_num_splits(num_seqs, num_kv_heads, block_tables.shape[1], block_size, target)
-    if not 1 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"paged_decode_attention: num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+    num_splits = split_count("paged_decode_attention", num_splits, num_seqs, k_cache, block_tables, cfg)
     group = num_q_heads // num_kv_heads
     partial_out, partial_lse = _split_partials(query, out, num_splits)
     fused = (DECODE_FUSED_MERGE if fused_merge is None else fused_merge) and num_splits > 1
@@ -284,7 +297,7 @@ def paged_decode_attention(
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         num_q_heads,
-        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
+        GROUP=group, BLOCK_H=decode_block_h(group), BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim, BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits,
         DOT_PRECISION=dot_precision(query.dtype), KV_FP8=kv_fp8, DOT_F16=fp8_dot_in_f16(kv_fp8, query.dtype),
         FUSED_MERGE=fused, num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -29,15 +29,14 @@ import triton.language as tl
 
 from spmd_engine.kernels.attention_support import check_attention_inputs, dot_precision
 from spmd_engine.kernels.decode_attention import (
-    MAX_SPLITS,
     DecodeConfig,
     _decode_merge_kernel,
     _decode_split_kernel,
-    _num_sms,
-    decode_num_splits,
+    decode_block_h,
     decode_split_program,
     default_decode_config,
     merge_counters,
+    split_count,
 )
 import spmd_engine.kernels.decode_attention as decode_attention
 from spmd_engine.kernels.kv_quant import check_kv_scales
@@ -210,11 +209,8 @@ def plan_paged_attention(
 
     num_splits, decode_meta, merge, counters = 1, None, None, None
     if num_decode:
-        target = dcfg.programs_per_sm * _num_sms(query.device)
-        num_splits = decode_num_splits(num_decode, num_kv_heads, block_tables.shape[1], block_size, target)
-        if not 1 <= num_splits <= MAX_SPLITS:
-            raise ValueError(f"paged_attention_plan: num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
-        decode_meta = dict(BLOCK_H=max(16, triton.next_power_of_2(group)), NUM_SPLITS=num_splits)
+        num_splits = split_count("paged_attention_plan", None, num_decode, k_cache, block_tables, dcfg)
+        decode_meta = dict(BLOCK_H=decode_block_h(group), NUM_SPLITS=num_splits)
         if num_splits > 1:
             merge = ((num_decode, num_q_heads), dict(
                 num_q_heads=num_q_heads, NUM_SPLITS=num_splits, HEAD_DIM=head_dim,
