@@ -200,14 +200,6 @@ class _KeyStaging:
         return keys
 
 
-def row_keys(rows: list[SamplingRow], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows' seeds and counters, [N] int64 each, from one host-to-device copy, each 16-byte aligned
-    whatever N (`_pack_groups`)."""
-    buf, [(at, m)] = _pack_groups(SamplingBatch.from_rows(rows), [None])
-    keys = _unpack_group(to_device_async(torch.from_numpy(buf), device), at, m, False)
-    return keys.seeds, keys.counters
-
-
 class Sampler:
     """Draws one token per logits row; stateless (each row carries its seed and counter)."""
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from spmd_engine.executor.sampler import (NUCLEUS_ROUNDS, TOP_K_FAST_MAX, Sampler, SamplingRow, _apply_top_k_top_p, _race,
-                                 _sample_top_k, row_keys, path_of, request_seed, seed_bits)
+                                 _sample_top_k, path_of, request_seed, seed_bits)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -314,11 +314,14 @@ def test_sampling_never_waits_for_the_gpu():
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 148, 255])
 def test_row_keys_start_16_byte_aligned_for_any_row_count(n):
     """Triton specialises a pointer on 16-byte alignment: counters 8 bytes off (an odd row count) made
-    every sampling kernel compile a second variant mid-job."""
+    every sampling kernel compile a second variant mid-job. The sampler's own key copy, whole batch."""
+    from spmd_engine.executor.sampler import SamplingBatch
+
     rows = [row(i, 0.6, seed=7 * i, counter=i + 3) for i in range(n)]
-    seeds, counters = row_keys(rows, torch.device("cpu"))
-    assert seeds.data_ptr() % 16 == 0 and counters.data_ptr() % 16 == 0
-    assert counters.tolist() == [i + 3 for i in range(n)] and seeds.shape == counters.shape == (n,)
+    [keys] = Sampler(torch.device("cpu"))._keys(SamplingBatch.from_rows(rows), [None])
+    for t in (keys.seeds, keys.counters, keys.temperatures, keys.top_p):
+        assert t.data_ptr() % 16 == 0
+    assert keys.counters.tolist() == [i + 3 for i in range(n)] and keys.seeds.shape == keys.counters.shape == (n,)
 
 
 def test_batch_paths_and_keys_equal_the_rows_one_by_one():
