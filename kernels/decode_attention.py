@@ -99,16 +99,18 @@ def decode_split_program(
     stride_cache_block, stride_cache_pos, stride_cache_head, stride_table,
     num_q_heads,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+    BLOCK_N: tl.constexpr, num_splits, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
     DOT_F16: tl.constexpr, FUSED_MERGE: tl.constexpr,
 ):
     """One (sequence, KV head, split) of the split kernel: shared with the mixed-batch kernel
-    (kernels/mixed_attention.py), so a decode row computes the same bits in either launch."""
+    (kernels/mixed_attention.py), so a decode row computes the same bits in either launch. `num_splits`
+    is the split kernel's constexpr NUM_SPLITS (a graph bucket compiles its own) or the mixed kernel's
+    runtime int (one compiled kernel whatever the batch): only integer bounds follow from it."""
     if KV_FP8:  # dequantization folded: q.(s_k k8) = s_k (q.k8), sum p (s_v v8) = s_v sum p v8
         scale_log2 = scale_log2 * tl.load(k_scale + kv_head)
     seq_len = tl.load(seq_lens + seq)
     # this split's BLOCK_N-aligned share of the sequence (on device: no host sync)
-    split_len = tl.cdiv(seq_len, NUM_SPLITS * BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(seq_len, num_splits * BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
@@ -155,13 +157,13 @@ def decode_split_program(
     result = acc / tl.where(empty, 1.0, l_i)[:, None]
     if KV_FP8:
         result = result * tl.load(v_scale + kv_head)
-    if NUM_SPLITS == 1:
+    if num_splits == 1:
         tl.store(
             out + seq.to(tl.int64) * stride_o_seq + heads[:, None] * stride_o_head + dims[None, :],
             result.to(out.dtype.element_ty), mask=row_valid[:, None],
         )
     else:
-        slot = (seq.to(tl.int64) * num_q_heads + heads) * NUM_SPLITS + split  # [BLOCK_H]
+        slot = (seq.to(tl.int64) * num_q_heads + heads) * num_splits + split  # [BLOCK_H]
         tl.store(partial_out + slot[:, None] * HEAD_DIM + dims[None, :], result, mask=row_valid[:, None])
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
         tl.store(partial_lse + slot, lse, mask=row_valid)
@@ -171,10 +173,10 @@ def decode_split_program(
             # release: this program's partials are visible to whoever sees the count; acquire: the last
             # arrival sees every other split's partials (read from L2 below, `.cg`)
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == NUM_SPLITS - 1:
-                slot0 = (seq.to(tl.int64) * num_q_heads + heads) * NUM_SPLITS  # [BLOCK_H]
+            if arrived == num_splits - 1:
+                slot0 = (seq.to(tl.int64) * num_q_heads + heads) * num_splits  # [BLOCK_H]
                 merged = _merge_partials(
-                    partial_out, partial_lse, slot0[:, None], row_valid[:, None], dims, NUM_SPLITS, HEAD_DIM
+                    partial_out, partial_lse, slot0[:, None], row_valid[:, None], dims, num_splits, HEAD_DIM
                 )
                 tl.store(
                     out + seq.to(tl.int64) * stride_o_seq + heads[:, None] * stride_o_head + dims[None, :],
@@ -207,7 +209,7 @@ def _decode_split_kernel(
 
 @triton.jit
 def _merge_partials(
-    partial_out, partial_lse, slot0, row_mask, dims, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr
+    partial_out, partial_lse, slot0, row_mask, dims, num_splits, HEAD_DIM: tl.constexpr
 ):
     """Rows slot0 [R, 1] (split 0's slot; splits follow it) merged into [R, HEAD_DIM] float32, weighted
     by the splits' log-sum-exps. Why element-wise steps in split order, not tl.max/tl.sum over a splits
@@ -216,14 +218,14 @@ def _merge_partials(
     both, so the two paths give the same bits. Loads are `.cg` (L2): never a stale L1 line of a partial
     another program stored."""
     lse_max = tl.load(partial_lse + slot0, mask=row_mask, other=float("-inf"), cache_modifier=".cg")
-    for s in range(1, NUM_SPLITS):
+    for s in range(1, num_splits):
         lse_max = tl.maximum(
             lse_max, tl.load(partial_lse + slot0 + s, mask=row_mask, other=float("-inf"), cache_modifier=".cg")
         )
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # every split empty: weights 0
     total = tl.zeros_like(lse_max)
     acc = tl.zeros([slot0.shape[0], HEAD_DIM], dtype=tl.float32)
-    for s in range(NUM_SPLITS):
+    for s in range(num_splits):
         lse = tl.load(partial_lse + slot0 + s, mask=row_mask, other=float("-inf"), cache_modifier=".cg")
         weight = tl.exp2(lse - lse_max)
         total += weight

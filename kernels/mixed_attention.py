@@ -11,11 +11,12 @@ programs are the prefill kernel's (query tile, query head, prompt sequence) prog
 are the decode kernel's (decode sequence, KV head, split) programs, each running the very same
 program body as its own kernel (`prefill_program`, `decode_split_program`), so every output row has
 the bits of the two-kernel path. Decode rows keep decode-kernel efficiency (one query row per
-sequence, GQA heads packed, split-KV); with more than one split the merge kernel runs after it, as
-on the decode path (at 200+ decode rows the split count is 1: one launch). The grid depends on the
-host ints of the step only; the kernel reads the whole (unsliced) metadata tensors and offsets by
-`num_decode` on the device, so no pointer it gets depends on the batch composition (Triton
-specialises pointers on 16-byte alignment) and the data-dependent ints are not specialised.
+sequence, GQA heads packed, split-KV); with more than one split the last split to arrive merges
+them, as on the decode path. The grid depends on the host ints of the step only; the kernel reads
+the whole (unsliced) metadata tensors and offsets by `num_decode` on the device, so no pointer it
+gets depends on the batch composition (Triton specialises pointers on 16-byte alignment), and the
+data-dependent ints, the split count among them, are runtime arguments Triton does not specialise
+on: one compiled kernel serves every batch composition, so none is compiled in the middle of a job.
 """
 from __future__ import annotations
 
@@ -49,23 +50,22 @@ from spmd_engine.kernels.prefill_attention import (
 )
 
 _LOG2_E = 1.4426950408889634
-# a mixed batch in one launch (False: the decode and prefill kernels back to back, the same bytes). Off by
-# default, measured (docs/BENCHMARKS.md, session 5 call D): the one-launch kernel is large (both bodies),
-# and each split count of its decode part is another compiled variant; on an empty Triton cache the
-# 256-request bench compiled them in its first mixed steps (17 steps x 403 ms, the run at half its speed).
-# Turn it on once start-up compiles the variants a job will meet.
-ONE_LAUNCH = False
+# a mixed batch in one launch (False: the decode and prefill kernels back to back, the same bytes). Its
+# split count was a constexpr once, and on an empty Triton cache the 256-request bench compiled a variant
+# per count in its first mixed steps (docs/BENCHMARKS.md, session 5 call D: 17 steps x 403 ms); it is a
+# runtime argument now.
+ONE_LAUNCH = True
 
 
-@triton.jit(do_not_specialize=["num_decode", "num_q_tiles", "prefill_programs"])
+@triton.jit(do_not_specialize=["num_decode", "num_q_tiles", "prefill_programs", "num_splits"])
 def _mixed_paged_attention_kernel(
-    query, k_cache, v_cache, out, partial_out, partial_lse, cu_seqlens_q, seq_lens, block_tables, scale_log2,
-    k_scale, v_scale,
+    query, k_cache, v_cache, out, partial_out, partial_lse, counters, cu_seqlens_q, seq_lens, block_tables,
+    scale_log2, k_scale, v_scale,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_cache_block, stride_cache_pos, stride_cache_head, stride_table,
-    num_q_heads, num_decode, num_q_tiles, prefill_programs,
+    num_q_heads, num_decode, num_q_tiles, prefill_programs, num_splits,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    DECODE_BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DECODE_BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, DOT_F16: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -84,13 +84,13 @@ def _mixed_paged_attention_kernel(
         rest = d // num_decode
         decode_split_program(
             d % num_decode, rest % (num_q_heads // GROUP), rest // (num_q_heads // GROUP),
-            query, k_cache, v_cache, out, partial_out, partial_lse, seq_lens, seq_lens, block_tables, scale_log2,
+            query, k_cache, v_cache, out, partial_out, partial_lse, counters, seq_lens, block_tables, scale_log2,
             k_scale, v_scale,
             stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
             stride_cache_block, stride_cache_pos, stride_cache_head, stride_table,
             num_q_heads,
-            GROUP, BLOCK_H, BLOCK_SIZE, HEAD_DIM, DECODE_BLOCK_N, NUM_SPLITS, DOT_PRECISION, KV_FP8, DOT_F16,
-            False,  # the merge kernel follows (no arrival counters here); seq_lens stands in for them, unread
+            GROUP, BLOCK_H, BLOCK_SIZE, HEAD_DIM, DECODE_BLOCK_N, num_splits, DOT_PRECISION, KV_FP8, DOT_F16,
+            True,  # with several splits the last arrival merges them (no merge launch, no merge variants)
         )
 
 
@@ -115,13 +115,13 @@ class PagedAttentionPlan:
     merge: tuple[tuple[int, int], dict[str, Any]] | None  # num_splits > 1: merge the decode rows' partials
     partial_shape: tuple[int, int, int, int]  # float32 split outputs [D_seqs, Hq, S, D] (log-sum-exps without D)
     share_partials: bool  # one pair for every layer (else a fresh pair per launch: see plan_paged_attention)
-    counters: torch.Tensor | None  # the arrival counters of a decode-only step whose splits merge themselves
+    counters: torch.Tensor | None  # arrival counters of the decode splits that merge themselves (mixed kernel too)
     partials: tuple[torch.Tensor, torch.Tensor] | None = None  # the shared pair, made by the first launch
 
     def _partials(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The split partials (with one split the kernel writes `out` directly: it stands in for both).
-        Shared by every layer: stream order keeps one layer's merge before the next layer's splits."""
-        if self.partial_shape[2] == 1:
+        """The split partials (with one split the kernel writes `out` directly: it stands in for both,
+        except in the mixed kernel, whose pointer types must not follow the split count). Shared by every layer: stream order keeps one layer's merge before the next layer's splits."""
+        if self.partial_shape[2] == 1 and self.mixed is None:
             return out, out
         if self.partials is not None:
             return self.partials
@@ -142,8 +142,8 @@ class PagedAttentionPlan:
         if self.mixed is not None:
             grid, ints, meta = self.mixed
             _mixed_paged_attention_kernel[grid](
-                query, k_cache, v_cache, out, partial_out, partial_lse, cu_seqlens, seq_lens, tables, scale_log2,
-                ks, vs, *self.strides, *ints, **meta)
+                query, k_cache, v_cache, out, partial_out, partial_lse, self.counters, cu_seqlens, seq_lens, tables,
+                scale_log2, ks, vs, *self.strides, *ints, **meta)
         if self.decode is not None:
             grid, ints, meta = self.decode
             _decode_split_kernel[grid](
@@ -221,8 +221,12 @@ def plan_paged_attention(
         num_q_tiles = prefill_grid[0]
         prefill_programs = num_q_tiles * num_q_heads * num_prefill
         grid = (prefill_programs + num_decode * num_kv_heads * num_splits,)
-        mixed = (grid, (num_q_heads, num_decode, num_q_tiles, prefill_programs), dict(
-            **common, **decode_meta, DECODE_BLOCK_N=dcfg.block_n, BLOCK_M=pcfg.block_m, BLOCK_N=pcfg.block_n,
+        # the split count is a runtime int and the splits merge themselves: one compiled kernel for every
+        # batch composition (a constexpr split count compiled a variant per count in the middle of a job)
+        counters, merge = merge_counters(query.device, num_decode * num_kv_heads), None
+        mixed = (grid, (num_q_heads, num_decode, num_q_tiles, prefill_programs, num_splits), dict(
+            **common, BLOCK_H=decode_block_h(group), DECODE_BLOCK_N=dcfg.block_n, BLOCK_M=pcfg.block_m,
+            BLOCK_N=pcfg.block_n,
             # the prompt chunks carry the step's compute: their pipelining (registers are the larger body's)
             num_warps=pcfg.num_warps, num_stages=pcfg.num_stages))
     else:

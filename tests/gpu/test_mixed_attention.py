@@ -42,7 +42,7 @@ def mixed_batch(num_decode, context, prompts, block_size, dtype=torch.bfloat16, 
     (250, 600, [(390, 390), (390, 1500)], 16, False),  # the steady-state mixed step: one split, one launch
     (200, 600, [(1024, 1024)], 16, True),
     (250, 600, [(128, 128)] * 6, 256, False),
-    (8, 2048, [(512, 512)], 16, False),  # few decodes: several splits (then the merge launch)
+    (8, 2048, [(512, 512)], 16, False),  # few decodes: several splits (the last arrival merges them)
     (3, 4000, [(77, 2000), (1, 300)], 16, True),
     (1, 100, [(1000, 1000)], 32, False),
 ])
@@ -68,10 +68,11 @@ def test_one_plan_over_several_layers_is_bitwise_the_two_kernel_path(num_decode,
 
 def test_batch_composition_compiles_no_new_variant():
     """Decode counts and prompt lengths of any alignment reuse the one compiled mixed kernel (pointers
-    and data-dependent ints are never specialised on the composition)."""
+    and data-dependent ints, the decode split count among them, are never specialised on the composition:
+    a variant per split count compiled in the first mixed steps of a job, 0.4 s each)."""
     kernel = mixed_attention._mixed_paged_attention_kernel
-    sizes = []
-    for num_decode in range(100, 117):  # >= 66 rows: one split at Hkv=8 on an H200, the same constexprs
+    sizes, splits = [], set()
+    for num_decode in (*range(100, 117), 1, 2, 3, 5, 8, 13, 21, 34, 55):  # 1 to 64 splits at Hkv=8 on an H200
         # decode contexts < 2000: the block-table width (an int stride Triton specialises) stays the same
         batch = mixed_batch(num_decode, 100, [(num_decode + 3, 2000), (17, 17)], 16, seed=num_decode, spread=200)
         out = torch.empty_like(batch.query)
@@ -80,6 +81,8 @@ def test_batch_composition_compiles_no_new_variant():
         plan.launch(batch.query, batch.k_cache, batch.v_cache, out, batch.scale)
         assert torch.equal(out, two_kernel_path(batch, num_decode))
         sizes.append(len(kernel.device_caches[torch.cuda.current_device()][0]))
+        splits.add(plan.partial_shape[2])
+    assert len(splits) > 3, splits
     assert len(set(sizes)) == 1, sizes
 
 
