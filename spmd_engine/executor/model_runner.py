@@ -10,6 +10,7 @@ import gc
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from spmd_engine.models.model_config import ModelShape
@@ -99,6 +100,7 @@ class ModelRunner:
             self.piecewise = PiecewiseGraphs.capture(model, self.inputs, settings.max_num_seqs,
                                                      piecewise_token_buckets(settings.max_num_batched_tokens),
                                                      CudaGraphCapture(pool))
+        self._compile_step_kernels()
 
     # --- sizing -------------------------------------------------------------------------
     def _fit_num_blocks(self) -> int:
@@ -170,6 +172,36 @@ class ModelRunner:
         logits = torch.randn(n, self.shape.vocab_size, device=self.device)
         for top_k, top_p in ((TOP_K_FAST_MAX + 1, 0.9), (50, 0.9), (-1, 0.9), (-1, 1.0)):
             Sampler(self.device).sample(logits, [SamplingRow(i, 1.0, top_p, top_k, i, 0) for i in range(n)])
+
+    @torch.inference_mode()
+    def _compile_step_kernels(self) -> None:
+        """A prefill step and a mixed step (one decode row + one prompt chunk) through the engine's own
+        path, once, at start-up. Why: Triton compiles a kernel at its first launch, and these two steps'
+        attention kernels are met by no warm-up or capture before (the one-launch mixed kernel takes ~2 s
+        to compile: it was inside the first mixed step of every job on a fresh machine). They write K/V
+        into the first few blocks, which a sequence reads only after writing them itself (on CPU too, so the HF
+        parity tests check that)."""
+        s = self.settings
+        prompt_blocks = -(-3 // s.block_size)  # a 3-token prompt chunk; the decode row has block_size + 1 tokens
+        if (self.num_blocks < 2 + prompt_blocks or s.max_num_seqs < 2 or s.max_num_batched_tokens < 4
+                or s.max_model_len < max(3, s.block_size + 1)):
+            return
+        steps = (  # seq_ids, tokens already in KV, query lengths, new blocks
+            ([-1], [0], [3], [prompt_blocks]),
+            ([-2, -1], [s.block_size, 0], [1, 3], [2, prompt_blocks]),
+        )
+        for seq_ids, computed, query_lens, blocks in steps:
+            n = len(seq_ids)
+            ids = np.asarray(seq_ids, dtype=np.int64)
+            plan = StepPlan(step=-1, seq_ids=ids, num_computed=np.asarray(computed, dtype=np.int32),
+                            query_lens=np.asarray(query_lens, dtype=np.int32),
+                            input_ids=np.zeros(sum(query_lens), dtype=np.int32), sample=np.ones(n, dtype=np.bool_),
+                            reset_tables=np.ones(n, dtype=np.bool_), new_block_counts=np.asarray(blocks, dtype=np.int32),
+                            new_block_ids=np.arange(sum(blocks), dtype=np.int32))
+            self.execute(plan)
+            self.mirror.apply(StepPlan(step=-1, dropped_seq_ids=ids))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # --- the step -----------------------------------------------------------------------
     @torch.inference_mode()

@@ -115,3 +115,26 @@ def test_decode_graph_captured_after_warmups_over_the_same_metadata_owns_its_par
     torch.cuda.synchronize()
     assert all(bool((t == 7.0).all()) for t in others)
     assert torch.equal(out.view(8, HQ, D), two_kernel_path(batch, 8)[:8])
+
+
+def test_engine_start_compiles_every_attention_kernel_its_steps_launch(tmp_path):
+    """A new engine launches the prefill and one-launch mixed kernels once at start-up, so a job's
+    prefill and mixed steps (a small token budget chunks the prompts) compile nothing: the mixed
+    kernel's compile (~2 s) was inside the first mixed step of every job on a fresh machine."""
+    from spmd_engine.kernels.prefill_attention import _paged_prefill_kernel
+    from tests.gpu.engine_setup import PROMPTS, greedy_tokens, make_llm, tiny_bf16_checkpoint
+
+    def variants():
+        device = torch.cuda.current_device()
+        return [len(k.device_caches[device][0]) for k in (mixed_attention._mixed_paged_attention_kernel,
+                                                          _paged_prefill_kernel)]
+
+    checkpoint = tiny_bf16_checkpoint(tmp_path / "ckpt")
+    llm = make_llm(checkpoint, attention_backend="triton", max_num_batched_tokens=64)
+    try:
+        at_start = variants()
+        greedy_tokens(llm, PROMPTS)
+        assert llm.runner.piecewise.num_replays > 2  # the job's own prefill and mixed steps ran
+        assert variants() == at_start
+    finally:
+        llm.close()
