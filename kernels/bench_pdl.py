@@ -8,8 +8,8 @@ The step is built from the engine's own kernel functions, Qwen3-0.6B-shaped, eac
 weights and paged KV cache (the weights, ~1.2 GB, far exceed the L2, as in the engine):
 28 x [add + RMSNorm, GEMV qkv, fused q/k norm + rotary + KV store, paged decode attention (short
 context, split-KV with the fused merge), GEMV o_proj, add + RMSNorm, GEMV gate_up, gated GEMV down]
-+ final add + RMSNorm + the float32 LM-head GEMV. The matmuls go through the engine's `linear`: above 16
-rows they are cuBLAS (never PDL) and the SwiGLU gate is the separate `silu_and_mul` launch.
++ final add + RMSNorm + the float32 LM-head GEMV. The matmuls take the engine's path: above 16 rows
+cuBLAS (never PDL) with the SwiGLU gate as the separate `silu_and_mul` launch.
 
 For each batch the step is captured in one CUDA graph with PDL off and again with it on, the replays
 timed (median, rounds alternating off/on), and the logits of the two graphs compared bit for bit
@@ -24,18 +24,31 @@ import statistics
 import torch
 import triton
 
-from spmd_engine.kernels import pdl
 from spmd_engine.kernels.bench_fused_ops import graph_ms
 from spmd_engine.kernels.decode_attention import paged_decode_attention
+from spmd_engine.kernels.gemv import GEMV_MAX_M, gemv
+from spmd_engine.kernels.pdl import GDC_AVAILABLE, pdl_supported, set_pdl
 from spmd_engine.kernels.qk_norm_rope_store import qk_norm_rope_store
 from spmd_engine.kernels.rms_norm import rms_norm
-from spmd_engine.models.layers.linear import linear as matmul  # the GEMV up to 16 rows, else cuBLAS
+from spmd_engine.kernels.silu_and_mul import silu_and_mul
 
 # Qwen3-0.6B
 LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB, EPS = 28, 1024, 16, 8, 128, 3072, 151936, 1e-6
 BLOCK_SIZE = 16
 DTYPE = torch.bfloat16
 DEVICE = "cuda"
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None, gated: bool = False):
+    """The engine's choice (models/layers/linear.py `linear`, not imported: kernels/ is a leaf): the GEMV up
+    to GEMV_MAX_M rows on CUDA, else silu_and_mul first when gated and cuBLAS."""
+    if x.is_cuda and x.shape[0] <= GEMV_MAX_M:
+        return gemv(x, w, out_dtype=out_dtype, gated=gated)
+    if gated:
+        x = silu_and_mul(x)
+    if out_dtype is None or not x.is_cuda:
+        return torch.nn.functional.linear(x, w).to(out_dtype or x.dtype)
+    return torch.mm(x, w.t(), out_dtype=out_dtype)
 
 
 class DecodeStep:
@@ -96,11 +109,11 @@ class DecodeStep:
 
 def timed(step: DecodeStep, on: bool) -> tuple[float, torch.Tensor]:
     """(median ms per graph replay, the replay's logits) with PDL on or off for the capture."""
-    pdl.set_pdl(on)
+    set_pdl(on)
     try:
         ms = graph_ms(step.run)  # warm-up (compiles this PDL setting's kernels), capture, timed replays
     finally:
-        pdl.set_pdl(False)
+        set_pdl(False)
     torch.cuda.synchronize()
     return ms, step.logits.clone()
 
@@ -114,9 +127,9 @@ def main() -> None:
     device = torch.device("cuda")
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__,
           "CUDA", torch.version.cuda)
-    if not pdl.pdl_supported(device):
+    if not pdl_supported(device):
         print(f"PDL cannot run here (compute capability {torch.cuda.get_device_capability()}, "
-              f"gdc in Triton: {pdl.GDC_AVAILABLE}): nothing to compare")
+              f"gdc in Triton: {GDC_AVAILABLE}): nothing to compare")
         return
     print(f"Qwen3-0.6B-shaped decode step, {LAYERS} layers, context {args.context}, one CUDA graph per setting")
     print(f"{'batch':>6} {'PDL off ms':>11} {'PDL on ms':>10} {'saved us':>9} {'saved %':>8} {'same bits':>9}  rounds")
