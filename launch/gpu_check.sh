@@ -29,8 +29,8 @@ note "device: $(nvidia-smi -L | tr '\n' ' ') torch $(python -c 'import torch; pr
 for stage in $stages; do
   case $stage in
     tests)
-      note "tests: pytest tests/gpu + GPU kernel cases + the sampler on CUDA (no host sync, batch independence)"
-      timeout -k 10 300 python -m pytest tests/gpu tests/kernels/test_rms_norm.py tests/kernels/test_rotary.py \
+      note "tests: pytest tests/gpu (PDL's in stage pdl) + GPU kernel cases + the sampler on CUDA (no host sync, batch independence)"
+      timeout -k 10 300 python -m pytest tests/gpu --ignore=tests/gpu/test_pdl.py tests/kernels/test_rms_norm.py tests/kernels/test_rotary.py \
         tests/kernels/test_silu_and_mul.py tests/kernels/test_sampling_noise.py tests/spmd_engine/test_sampler.py \
         -q -x -p no:cacheprovider 2>&1 | tee -a "$LOG" | tail -15 ;;
     fused)

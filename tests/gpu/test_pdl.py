@@ -63,11 +63,12 @@ def test_pdl_runs_on_this_gpu():
 def test_decode_step_kernels_same_bits(batch, one_launch, monkeypatch):
     """The bench's Qwen3-0.6B-shaped decode step (kernels/bench_pdl.py): RMSNorm, GEMV, q/k norm + rotary + KV
     store, split-KV decode attention, the LM head; at 64 rows cuBLAS matmuls and silu_and_mul in between."""
-    from spmd_engine.kernels.bench_pdl import DecodeStep
+    from spmd_engine.kernels import bench_pdl
 
+    monkeypatch.setattr(bench_pdl, "LAYERS", 4)  # every kernel of a layer; 28 would only take longer
     monkeypatch.setattr(gemv, "SPLIT_K_ONE_LAUNCH", one_launch)
     monkeypatch.setattr(decode_attention, "DECODE_FUSED_MERGE", one_launch)
-    step = DecodeStep(batch, context=300)  # 3 splits of the decode attention at batch 1
+    step = bench_pdl.DecodeStep(batch, context=300)  # 3 splits of the decode attention at batch 1
 
     def run():
         step.run()
