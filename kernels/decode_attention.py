@@ -27,6 +27,7 @@ import triton.language as tl
 from spmd_engine.kernels.attention_support import check_attention_inputs, dot_precision, supports_shape
 from spmd_engine.kernels.kv_quant import check_kv_scales
 from spmd_engine.kernels.paged_kv_tile import fp8_dot_in_f16, fp8_dot_operand, paged_tile_offsets
+from spmd_engine.kernels.pdl import pdl_launch, pdl_prologue
 
 _LOG2_E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 128  # below this a split's launch/merge cost outweighs the extra parallelism
@@ -195,7 +196,9 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
     DOT_F16: tl.constexpr, FUSED_MERGE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)  # kernels/pdl.py: before any memory access
     decode_split_program(
         tl.program_id(0), tl.program_id(1), tl.program_id(2),
         query, k_cache, v_cache, out, partial_out, partial_lse, counters, seq_lens, block_tables, scale_log2,
@@ -240,7 +243,9 @@ def _merge_partials(
 def _decode_merge_kernel(
     partial_out, partial_lse, out, stride_o_seq, stride_o_head, num_q_heads,
     NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     dims = tl.arange(0, HEAD_DIM)
@@ -303,6 +308,7 @@ def paged_decode_attention(
         HEAD_DIM=head_dim, BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits,
         DOT_PRECISION=dot_precision(query.dtype), KV_FP8=kv_fp8, DOT_F16=fp8_dot_in_f16(kv_fp8, query.dtype),
         FUSED_MERGE=fused, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_launch(query.device),
     )
     if num_splits > 1 and not fused:
         _merge_splits(partial_out, partial_lse, out)
@@ -326,6 +332,7 @@ def _merge_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor, out: tor
     _decode_merge_kernel[(num_seqs, num_q_heads)](
         partial_out, partial_lse, out, out.stride(0), out.stride(1), num_q_heads,
         NUM_SPLITS=num_splits, HEAD_DIM=head_dim, num_warps=1 if head_dim <= 64 else 2,
+        **pdl_launch(out.device),
     )
 
 

@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from spmd_engine.kernels.pdl import pdl_launch, pdl_prologue
 from spmd_engine.kernels.silu_and_mul import silu_mul
 
 GEMV_MAX_M = 16  # the kernel's BLOCK_M: the largest M it takes (tl.dot needs a dim >= 16)
@@ -114,7 +115,9 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, ONE_LAUNCH: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     EVEN_N: tl.constexpr, PRECISION: tl.constexpr, GATED: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)  # kernels/pdl.py: before any memory access
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -178,8 +181,9 @@ def _sum_splits(partial, offsets, mask, slab, SPLIT: tl.constexpr):
 @triton.jit(do_not_specialize=["M"])
 def _gemv_split_sum_kernel(
     partial, bias, out, M, N, stride_om,
-    SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -242,11 +246,11 @@ def gemv(
         BLOCK_M=GEMV_MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split, ONE_LAUNCH=one_launch,
         HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0,
         PRECISION="ieee" if x.dtype == torch.float32 else None, GATED=gated,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device),
     )
     if split > 1 and not one_launch:
         _gemv_split_sum_kernel[(m, triton.cdiv(n, REDUCE_BLOCK))](
             partial, bias_arg, out, m, n, out.stride(0),
-            SPLIT=split, HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK, num_warps=4,
+            SPLIT=split, HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK, num_warps=4, **pdl_launch(x.device),
         )
     return out.view(*x.shape[:-1], n)

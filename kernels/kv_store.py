@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from spmd_engine.kernels.kv_quant import FP8_MAX, check_kv_scales
+from spmd_engine.kernels.pdl import pdl_launch, pdl_prologue
 
 _E4M3_MAX = tl.constexpr(FP8_MAX)
 _E4M3_MIN_NORMAL = tl.constexpr(0.015625)  # 2**-6; below it e4m3fn is subnormal, a fixed step of 2**-9
@@ -58,7 +59,9 @@ def _store_kv_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     QUANTIZE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)  # kernels/pdl.py: before any memory access
     token = tl.program_id(0)
     slot = tl.load(slot_mapping + token).to(tl.int64)
     if slot < 0:
@@ -124,6 +127,7 @@ def store_kv(
         BLOCK_D=block_d,
         QUANTIZE=quantize,
         num_warps=4 if num_heads * block_d >= 1024 else 1,
+        **pdl_launch(key.device),
     )
 
 

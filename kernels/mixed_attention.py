@@ -42,6 +42,7 @@ from spmd_engine.kernels.decode_attention import (
 import spmd_engine.kernels.decode_attention as decode_attention
 from spmd_engine.kernels.kv_quant import check_kv_scales
 from spmd_engine.kernels.paged_kv_tile import fp8_dot_in_f16
+from spmd_engine.kernels.pdl import pdl_launch, pdl_prologue
 from spmd_engine.kernels.prefill_attention import (
     PrefillConfig,
     _paged_prefill_kernel,
@@ -67,7 +68,9 @@ def _mixed_paged_attention_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     DECODE_BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, DOT_F16: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)  # kernels/pdl.py: before any memory access
     pid = tl.program_id(0)
     if pid < prefill_programs:  # the prefill grid (q_tile fastest, reversed: longest causal rows first)
         q_tile = num_q_tiles - 1 - pid % num_q_tiles
@@ -201,7 +204,7 @@ def plan_paged_attention(
     strides = (query.stride(0), query.stride(1), out.stride(0), out.stride(1),
                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
     common = dict(GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, DOT_PRECISION=dot_precision(query.dtype),
-                  KV_FP8=kv_fp8, DOT_F16=fp8_dot_in_f16(kv_fp8, query.dtype))
+                  KV_FP8=kv_fp8, DOT_F16=fp8_dot_in_f16(kv_fp8, query.dtype), **pdl_launch(query.device))
     num_prefill = num_seqs - num_decode
     has_prefill = num_prefill > 0 and num_tokens > num_decode and max_query_len > 0
     dcfg = decode_config or default_decode_config(head_dim, query.device)
@@ -214,7 +217,7 @@ def plan_paged_attention(
         if num_splits > 1:
             merge = ((num_decode, num_q_heads), dict(
                 num_q_heads=num_q_heads, NUM_SPLITS=num_splits, HEAD_DIM=head_dim,
-                num_warps=1 if head_dim <= 64 else 2))
+                num_warps=1 if head_dim <= 64 else 2, **pdl_launch(query.device)))
     prefill_grid = (math.ceil(max_query_len / pcfg.block_m), num_q_heads, num_prefill) if has_prefill else None
     mixed = decode = prefill = None
     if num_decode and has_prefill and fuse and dcfg.num_warps == pcfg.num_warps:

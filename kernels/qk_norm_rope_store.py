@@ -28,6 +28,7 @@ import triton.language as tl
 
 from spmd_engine.kernels.kv_quant import check_kv_scales
 from spmd_engine.kernels.kv_store import _check_store_shapes, _round_to_e4m3
+from spmd_engine.kernels.pdl import pdl_launch, pdl_prologue
 
 MAX_NORM_HEAD_DIM = 256  # rms_norm_pair reduces a head in one warp up to here; beyond, its 4 warps would differ
 
@@ -81,8 +82,9 @@ def _qk_norm_rope_store_kernel(
     stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_cs_tok,
     stride_cache_block, stride_cache_pos, stride_cache_head, block_size,
     ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    HAS_NORM: tl.constexpr, QUANTIZE: tl.constexpr,
+    HAS_NORM: tl.constexpr, QUANTIZE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)  # kernels/pdl.py: before any memory access
     tok = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
     q_groups = tl.cdiv(num_q_heads, ROWS)
@@ -221,6 +223,6 @@ def qk_norm_rope_store(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.shape[1],
         ROWS=rows, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_HALF=triton.next_power_of_2(half),
-        HAS_NORM=has_norm, QUANTIZE=quantize, num_warps=rows,
+        HAS_NORM=has_norm, QUANTIZE=quantize, num_warps=rows, **pdl_launch(q.device),
     )
     return q_out

@@ -11,13 +11,16 @@ import torch
 import triton
 import triton.language as tl
 
+from spmd_engine.kernels.pdl import pdl_launch, pdl_prologue
+
 
 @triton.jit
 def _rms_norm_kernel(
     x, residual, weight, out, residual_out,
     heads, stride_x_tok, stride_x_head, stride_res_row, num_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)  # kernels/pdl.py: before any memory access
     row = tl.program_id(0)
     tok = (row // heads).to(tl.int64)
     head = (row % heads).to(tl.int64)
@@ -46,9 +49,10 @@ def _normalize(values, w, num_cols, eps, dtype: tl.constexpr):
 def _rms_norm_pair_kernel(
     a, b, a_weight, b_weight, a_out, b_out,
     heads_a, heads_b, stride_a_tok, stride_a_head, stride_b_tok, stride_b_head, num_cols, eps,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One program per (token, head) of a then b: heads [0, heads_a) are a's, the rest b's."""
+    pdl_prologue(USE_PDL)
     row = tl.program_id(0)
     tok = (row // (heads_a + heads_b)).to(tl.int64)
     head = row % (heads_a + heads_b)
@@ -94,6 +98,7 @@ def rms_norm_pair(
         _rms_norm_pair_kernel[(rows,)](
             a, b, a_weight, b_weight, a_out, b_out, a.shape[1], b.shape[1],
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), num_cols, eps, **_launch_options(num_cols),
+            **pdl_launch(a.device),
         )
     return a_out, b_out
 
@@ -126,6 +131,6 @@ def rms_norm(
         _rms_norm_kernel[(rows,)](
             x, residual if residual is not None else x, weight, out, residual_out,
             heads, x.stride(0), stride_head, residual.stride(0) if residual is not None else 0, num_cols, eps,
-            HAS_RESIDUAL=residual is not None, **_launch_options(num_cols),
+            HAS_RESIDUAL=residual is not None, **_launch_options(num_cols), **pdl_launch(x.device),
         )
     return out if residual is None else (out, residual_out)

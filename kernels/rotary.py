@@ -9,12 +9,15 @@ import torch
 import triton
 import triton.language as tl
 
+from spmd_engine.kernels.pdl import pdl_launch, pdl_prologue
+
 
 @triton.jit
 def _rotary_kernel(
     x, cos, sin, out, num_heads, half, stride_x_tok, stride_x_head, stride_cs_tok,
-    BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_prologue(USE_PDL)  # kernels/pdl.py: before any memory access
     tok = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_D)[None, :]
@@ -46,5 +49,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
         _rotary_kernel[(num_tokens,)](
             x, cos, sin, out, num_heads, half, x.stride(0), x.stride(1), cos.stride(0),
             BLOCK_D=block_d, BLOCK_H=block_h, num_warps=1 if block_h * block_d <= 512 else 4,
+            **pdl_launch(x.device),
         )
     return out

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from spmd_engine.kernels.pdl import pdl_launch, pdl_prologue
 from spmd_engine.kernels.reference import COLUMN_MUL, HASH_MUL1, HASH_MUL2, LANE_A, LANE_B
 
 BLOCK = 1024
@@ -70,7 +71,8 @@ def _gumbel_from_hash(h):
 @triton.jit
 def _sampling_noise_kernel(seeds, counters, out, rnd, vocab,
                            MODE: tl.constexpr, BLOCK: tl.constexpr, MUL1: tl.constexpr, MUL2: tl.constexpr,
-                           A0: tl.constexpr, B0: tl.constexpr, CMUL: tl.constexpr):
+                           A0: tl.constexpr, B0: tl.constexpr, CMUL: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)  # kernels/pdl.py: before any memory access
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < vocab
@@ -97,14 +99,15 @@ def _launch(seeds: torch.Tensor, counters: torch.Tensor, round_: int, vocab: int
         _sampling_noise_kernel[(rows, triton.cdiv(vocab, BLOCK))](
             seeds.long().contiguous(), counters.long().contiguous(), out, round_, vocab,
             MODE=mode, BLOCK=BLOCK, MUL1=HASH_MUL1, MUL2=HASH_MUL2, A0=LANE_A, B0=LANE_B, CMUL=COLUMN_MUL,
-            num_warps=4)
+            num_warps=4, **pdl_launch(seeds.device))
     return out
 
 
 @triton.jit
 def _noise_at_kernel(seeds, counters, cols, out, rnd, width,
                      BLOCK: tl.constexpr, MUL1: tl.constexpr, MUL2: tl.constexpr, A0: tl.constexpr,
-                     B0: tl.constexpr, CMUL: tl.constexpr):
+                     B0: tl.constexpr, CMUL: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)  # kernels/pdl.py: before any memory access
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < width
@@ -134,7 +137,7 @@ def gumbel_noise_at(seeds: torch.Tensor, counters: torch.Tensor, round_: int, co
         _noise_at_kernel[(rows, triton.cdiv(width, NOISE_AT_BLOCK))](
             seeds.long().contiguous(), counters.long().contiguous(), cols.long().contiguous(), out, round_, width,
             BLOCK=NOISE_AT_BLOCK, MUL1=HASH_MUL1, MUL2=HASH_MUL2, A0=LANE_A, B0=LANE_B, CMUL=COLUMN_MUL,
-            num_warps=4)
+            num_warps=4, **pdl_launch(cols.device))
     return out
 
 
@@ -162,12 +165,13 @@ def _keep_best(score, cols, vocab, best, best_col):
 def _gumbel_race_kernel(logits, temps, seeds, counters, best_scores, best_cols, vocab, stride_row, num_chunks,
                         chunk_max, chunk_sum, done_round, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
                         MUL1: tl.constexpr, MUL2: tl.constexpr, A0: tl.constexpr, B0: tl.constexpr,
-                        CMUL: tl.constexpr, WITH_STATS: tl.constexpr = False):
+                        CMUL: tl.constexpr, USE_PDL: tl.constexpr, WITH_STATS: tl.constexpr = False):
     """One program per (row, vocabulary chunk): the chunk's best logits / T + round-0 Gumbel noise and
     its column, the noise made in registers (no [N, V] tensor); ties go to the lowest column, as
     torch.argmax. Chunks rather than whole rows: a row per program leaves most of the GPU idle.
     WITH_STATS (the nucleus draw's round 0): also the chunk's largest logits / T and its softmax sum
     relative to that maximum, and every row marked undecided (done_round -1)."""
+    pdl_prologue(USE_PDL)  # kernels/pdl.py: before any memory access
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     seed = tl.load(seeds + row).to(tl.int64)
@@ -222,7 +226,7 @@ def gumbel_race(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.T
         logits, temperatures.float().contiguous(), seeds.long().contiguous(), counters.long().contiguous(),
         scores, cols, vocab, logits.stride(0), num_chunks, scores, scores, cols,
         CHUNK=RACE_CHUNK, BLOCK=BLOCK, MUL1=HASH_MUL1, MUL2=HASH_MUL2, A0=LANE_A, B0=LANE_B, CMUL=COLUMN_MUL,
-        num_warps=4)
+        num_warps=4, **pdl_launch(logits.device))
     # the first chunk holding the row's maximum (torch.argmax takes the first): the lowest column
     return cols.gather(1, scores.argmax(dim=1, keepdim=True)).squeeze(1)
 
@@ -297,9 +301,10 @@ def _row_sum(values, row, num_chunks, CBLOCK: tl.constexpr):
 @triton.jit
 def _nucleus_mass_kernel(logits, temps, stride_row, vocab, num_chunks, race_scores, race_cols, chunk_max, mass,
                          done_round, CHECK_DONE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                         CBLOCK: tl.constexpr):
+                         CBLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     """One program per (row, chunk) of an undecided row: the chunk's share of the mass of tokens
     likelier than the row's candidate of this round (relative to the row's maximum)."""
+    pdl_prologue(USE_PDL)  # kernels/pdl.py: before any memory access
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     undecided = True
@@ -324,7 +329,8 @@ def _nucleus_mass_kernel(logits, temps, stride_row, vocab, num_chunks, race_scor
 def _nucleus_round_kernel(logits, temps, top_ps, seeds, counters, out, prev_done, done_round, stride_row, vocab,
                           num_chunks, prev_scores, prev_cols, chunk_max, chunk_sum, mass, race_scores, race_cols, rnd,
                           CHUNK: tl.constexpr, BLOCK: tl.constexpr, CBLOCK: tl.constexpr, MUL1: tl.constexpr,
-                          MUL2: tl.constexpr, A0: tl.constexpr, B0: tl.constexpr, CMUL: tl.constexpr):
+                          MUL2: tl.constexpr, A0: tl.constexpr, B0: tl.constexpr, CMUL: tl.constexpr,
+                          USE_PDL: tl.constexpr):
     """Rejection round `rnd` >= 1, one program per (row, chunk): a row whose last candidate is in
     its nucleus is decided (chunk 0's program writes the token); otherwise the chunk's race, with
     round-`rnd` noise, over the tokens likelier than that rejected candidate.
@@ -332,6 +338,7 @@ def _nucleus_round_kernel(logits, temps, top_ps, seeds, counters, out, prev_done
     The rows' decisions go to `done_round`, never to `prev_done` (what this launch reads): a program
     reading a flag that another program of the same launch writes could see it change between its
     warps, and warps that disagree break the block reductions (seen as a wild load on an H200)."""
+    pdl_prologue(USE_PDL)  # kernels/pdl.py: before any memory access
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     decided = tl.load(prev_done + row)
@@ -370,11 +377,12 @@ def _nucleus_finish_kernel(logits, temps, top_ps, seeds, counters, out, done_rou
                            race_scores, race_cols, chunk_max, chunk_sum, mass,
                            FIRST: tl.constexpr, ROUNDS: tl.constexpr, BLOCK: tl.constexpr, CBLOCK: tl.constexpr,
                            MUL1: tl.constexpr, MUL2: tl.constexpr, A0: tl.constexpr, B0: tl.constexpr,
-                           CMUL: tl.constexpr):
+                           CMUL: tl.constexpr, USE_PDL: tl.constexpr):
     """One program per row still undecided after the chunked rounds 0..FIRST-1 (rare: each round
     rejects with probability <= 1 - top_p): accept round FIRST-1's candidate, or run rounds
     FIRST..ROUNDS-1 in the program and after them the exact nucleus cut by bisection (round ROUNDS
     noise). Every decision is taken on the device; a row never sees another row."""
+    pdl_prologue(USE_PDL)  # kernels/pdl.py: before any memory access
     row = tl.program_id(0).to(tl.int64)
     if tl.load(done_round + row) < 0:
         base = logits + row * stride_row
@@ -486,25 +494,26 @@ def _launch_nucleus(logits, temperatures, top_ps, seeds, counters, out, rounds: 
     done = torch.empty(2, padded, device=logits.device, dtype=torch.int32)
     chunk_max, chunk_sum, mass = stats[2], stats[3], stats[4]
     hashing = dict(MUL1=HASH_MUL1, MUL2=HASH_MUL2, A0=LANE_A, B0=LANE_B, CMUL=COLUMN_MUL)
+    pdl = pdl_launch(logits.device)  # every launch below (kernels/pdl.py)
     grid = (rows, num_chunks)
     stride = logits.stride(0)
     _gumbel_race_kernel[grid](  # round 0, spread over the GPU
         logits, temperatures, seeds, counters, stats[0], race_cols[0], vocab, stride, num_chunks,
-        chunk_max, chunk_sum, done[0], CHUNK=RACE_CHUNK, BLOCK=BLOCK, WITH_STATS=True, num_warps=4, **hashing)
+        chunk_max, chunk_sum, done[0], CHUNK=RACE_CHUNK, BLOCK=BLOCK, WITH_STATS=True, num_warps=4, **hashing, **pdl)
     _nucleus_mass_kernel[grid](logits, temperatures, stride, vocab, num_chunks, stats[0], race_cols[0], chunk_max,
                                mass, done[0], CHECK_DONE=False, CHUNK=RACE_CHUNK, BLOCK=BLOCK, CBLOCK=cblock,
-                               num_warps=4)
+                               num_warps=4, **pdl)
     for rnd in range(1, chunked_rounds):
         prev, cur = (rnd - 1) % 2, rnd % 2
         _nucleus_round_kernel[grid](
             logits, temperatures, top_ps, seeds, counters, out, done[prev], done[cur], stride, vocab, num_chunks,
             stats[prev], race_cols[prev], chunk_max, chunk_sum, mass, stats[cur], race_cols[cur], rnd,
-            CHUNK=RACE_CHUNK, BLOCK=BLOCK, CBLOCK=cblock, num_warps=4, **hashing)
+            CHUNK=RACE_CHUNK, BLOCK=BLOCK, CBLOCK=cblock, num_warps=4, **hashing, **pdl)
         _nucleus_mass_kernel[grid](logits, temperatures, stride, vocab, num_chunks, stats[cur], race_cols[cur],
                                    chunk_max, mass, done[cur], CHECK_DONE=True, CHUNK=RACE_CHUNK, BLOCK=BLOCK,
-                                   CBLOCK=cblock, num_warps=4)
+                                   CBLOCK=cblock, num_warps=4, **pdl)
     last = (chunked_rounds - 1) % 2
     _nucleus_finish_kernel[(rows,)](
         logits, temperatures, top_ps, seeds, counters, out, done[last], vocab, stride, num_chunks,
         stats[last], race_cols[last], chunk_max, chunk_sum, mass,
-        FIRST=chunked_rounds, ROUNDS=rounds, BLOCK=NUCLEUS_BLOCK, CBLOCK=cblock, num_warps=8, **hashing)
+        FIRST=chunked_rounds, ROUNDS=rounds, BLOCK=NUCLEUS_BLOCK, CBLOCK=cblock, num_warps=8, **hashing, **pdl)

@@ -5,6 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
+from spmd_engine.kernels.pdl import pdl_launch, pdl_prologue
+
 BLOCK = 1024
 
 
@@ -16,7 +18,8 @@ def silu_mul(gate, up, dtype: tl.constexpr):
 
 
 @triton.jit
-def _silu_and_mul_kernel(x, out, width, stride_x_row, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x, out, width, stride_x_row, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)  # kernels/pdl.py: before any memory access
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -33,5 +36,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, width, dtype=x.dtype, device=x.device)
     if rows:
         _silu_and_mul_kernel[(rows, triton.cdiv(width, BLOCK))](x, out, width, x.stride(0), BLOCK=BLOCK,
-                                                                 num_warps=4)
+                                                                 num_warps=4, **pdl_launch(x.device))
     return out

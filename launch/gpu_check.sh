@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks of docs/BENCHMARKS.md, in one call on an H200 machine (2 GPUs for tp).
 #   bash launch/gpu_check.sh [STAGE ...]
-#   stages: tests fused sampler qwen3 qwen3_p1 qwen3_p95 sync bs1 prefill tp tp_sync qwen3_tp2 sweep profile (default: all)
+#   stages: tests fused sampler qwen3 qwen3_p1 qwen3_p95 sync bs1 prefill tp tp_sync qwen3_tp2 sweep profile pdl (default: all)
 # Logs go to $OUT/log.txt (OUT defaults to ./gpu_check_out), every run's metrics.json to $OUT/metrics.tgz,
 # and a summary table is printed last (also $OUT/summary.txt). Each stage has its own time limit.
 set -uo pipefail
@@ -11,7 +11,7 @@ OUT=${OUT:-$PWD/gpu_check_out}
 WORK=${GPU_CHECK_WORK:-/tmp/gpu_check}
 mkdir -p "$OUT" "$WORK"
 LOG=$OUT/log.txt
-stages=${*:-tests fused sampler qwen3 qwen3_p1 qwen3_p95 sync bs1 prefill tp tp_sync qwen3_tp2 sweep profile}
+stages=${*:-tests fused sampler qwen3 qwen3_p1 qwen3_p95 sync bs1 prefill tp tp_sync qwen3_tp2 sweep profile pdl}
 TORCHRUN=(python -m torch.distributed.run --standalone --nproc_per_node=2)
 BENCH=(model.load_format=dummy workload=bench)
 
@@ -29,8 +29,8 @@ note "device: $(nvidia-smi -L | tr '\n' ' ') torch $(python -c 'import torch; pr
 for stage in $stages; do
   case $stage in
     tests)
-      note "tests: pytest tests/gpu + GPU kernel cases + the sampler on CUDA (no host sync, batch independence)"
-      timeout -k 10 300 python -m pytest tests/gpu tests/kernels/test_rms_norm.py tests/kernels/test_rotary.py \
+      note "tests: pytest tests/gpu (PDL's in stage pdl) + GPU kernel cases + the sampler on CUDA (no host sync, batch independence)"
+      timeout -k 10 300 python -m pytest tests/gpu --ignore=tests/gpu/test_pdl.py tests/kernels/test_rms_norm.py tests/kernels/test_rotary.py \
         tests/kernels/test_silu_and_mul.py tests/kernels/test_sampling_noise.py tests/spmd_engine/test_sampler.py \
         -q -x -p no:cacheprovider 2>&1 | tee -a "$LOG" | tail -15 ;;
     fused)
@@ -100,6 +100,13 @@ PY
     profile)
       note "profile: GPU time per decode step by kernel, batch 1 and 256 (launch/kernel_profile.py)"
       CUDA_VISIBLE_DEVICES=0 timeout -k 10 200 python launch/kernel_profile.py 2>&1 | grep -v Warning | tee -a "$LOG" ;;
+    pdl)  # Programmatic Dependent Launch (cuda_pdl): its checks, the graph A/B, then the engine with it on
+      note "pdl: tests/kernels/test_pdl.py (sm_90 PTX order) + kernels/bench_pdl.py (decode step graph, off vs on)"
+      CUDA_VISIBLE_DEVICES=0 timeout -k 10 300 python -m pytest tests/kernels/test_pdl.py tests/gpu/test_pdl.py -q -x \
+        -p no:cacheprovider 2>&1 | tee -a "$LOG" | tail -5
+      CUDA_VISIBLE_DEVICES=0 timeout -k 10 300 python kernels/bench_pdl.py 2>&1 | grep -v Warning | tee -a "$LOG"
+      CUDA_VISIBLE_DEVICES=0 run bs1_pdl 120 python run.py model=qwen3 "${BENCH[@]}" workload.num_seqs=1 cuda_pdl=true
+      CUDA_VISIBLE_DEVICES=0 run qwen3_pdl 200 python run.py model=qwen3 "${BENCH[@]}" max_model_len=4096 cuda_pdl=true ;;
     *) note "unknown stage $stage" ;;
   esac
 done

@@ -218,7 +218,7 @@ class Engine:
         cfg = self.cfg
         settings = RunnerSettings(cfg.block_size, self.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                   cfg.enforce_eager, cfg.gpu_memory_utilization, cfg.cpu_kv_cache_gib,
-                                  cfg.num_kv_blocks, cfg.kv_cache_dtype)
+                                  cfg.num_kv_blocks, cfg.kv_cache_dtype, cfg.cuda_pdl)
         runner = ModelRunner(self.model, self.shape, settings, self.device, self.dtype, self.replica.tp_size,
                              self.replica)
         self.kv_capacity = KVCapacity(runner.num_blocks, cfg.block_size, runner.spec.bytes_per_block)
@@ -226,9 +226,9 @@ class Engine:
         self.faults = FaultInjector.from_config(cfg.fault, self.ranks.rank)
         self.faults.install(runner)  # test-only: a configured step fault wraps the runner's launch
         log.info("engine: block_size=%d max_model_len=%d max_num_seqs=%d max_num_batched_tokens=%d "
-                 "prefix_caching=%s cuda_graphs=%s device=%s", cfg.block_size, self.max_model_len,
+                 "prefix_caching=%s cuda_graphs=%s cuda_pdl=%s device=%s", cfg.block_size, self.max_model_len,
                  cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.enable_prefix_caching,
-                 runner.graphs is not None, self.device)
+                 runner.graphs is not None, runner.pdl, self.device)
         cap = self.kv_capacity.as_dict()
         log.info("KV cache: %d blocks, %d tokens, %.3f GiB per rank%s", cap["blocks"], cap["tokens"], cap["gib"],
                  f" ({runner.memory_budget.describe()})" if runner.memory_budget else "")

@@ -39,6 +39,7 @@ class RunnerSettings:
     cpu_kv_cache_gib: float
     num_kv_blocks: int | None
     kv_cache_dtype: str = "auto"  # auto (the model dtype) | fp8 (float8_e4m3fn, calibrated per-head scales)
+    cuda_pdl: bool = False  # Triton kernels launched with Programmatic Dependent Launch where it runs (kernels/pdl.py)
 
 
 @dataclass
@@ -62,6 +63,14 @@ class StagedStep:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, shape: ModelShape, settings: RunnerSettings,
                  device: torch.device, dtype: torch.dtype, tp_size: int, replica: Replica | None = None) -> None:
+        # before any launch or capture: the graphs keep the launches (and their PDL attribute) they record.
+        # CPU: nothing to set (no Triton launch but the interpreter's, never PDL; Triton not imported)
+        self.pdl = False  # whether this rank's Triton kernels launch with PDL (cuda_pdl where it can run)
+        if device.type == "cuda":
+            from spmd_engine.kernels.pdl import pdl_enabled, set_pdl
+
+            set_pdl(settings.cuda_pdl)
+            self.pdl = pdl_enabled(device)
         self.model = model
         self.replica = replica  # the sampled tokens go to this replica's ranks (None: every rank)
         self.shape = shape

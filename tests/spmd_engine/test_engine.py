@@ -194,6 +194,17 @@ def test_small_batch_gemv_key_reaches_every_matmul_layer(tiny):
         assert llm.model.lm_head in switches and all(m.small_batch_gemv is enabled for m in switches)
 
 
+def test_cuda_pdl_on_cpu_is_a_silent_no_op(tiny, caplog):
+    """`cuda_pdl: true` where PDL cannot run (CPU): accepted, the same greedy tokens, and the start-up log
+    says it is off."""
+    path, expected = tiny
+    with caplog.at_level("INFO", logger="spmd_engine.engine"):
+        llm = make_llm(path, cuda_pdl=True)
+    assert llm.cfg.cuda_pdl and not llm.runner.pdl
+    assert any("cuda_pdl=False" in r.getMessage() for r in caplog.records)
+    assert tokens(generate(llm, PROMPTS[:2])) == expected[:2]
+
+
 def test_seeded_sampling_is_reproducible_across_engines(tiny):
     """temperature > 0 with a per-request seed: the same tokens in another engine and another batch."""
     path, _ = tiny

@@ -1,0 +1,155 @@
+"""Programmatic Dependent Launch (kernels/pdl.py, engine key `cuda_pdl`) on the GPU: with PDL on, every Triton
+kernel of a decode / mixed step and of the sampler gives the bits it gives with PDL off, launched eagerly and
+replayed from a CUDA graph, and a tiny model's greedy tokens, logprobs and seeded top-p draws are the same."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spmd_engine.kernels import decode_attention, gemv, pdl
+from tests.gpu.engine_setup import GPU, PROMPTS, make_llm, tiny_bf16_checkpoint
+
+HOPPER = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                            reason="PDL needs compute capability 9.0+")
+pytestmark = [*GPU, HOPPER]
+
+
+@pytest.fixture(autouse=True)
+def pdl_off_afterwards():
+    yield
+    pdl.set_pdl(False)
+
+
+def run_both_ways(fn) -> dict[str, list[torch.Tensor]]:
+    """fn's outputs (a list of tensors) with PDL off and on, eager and replayed from a graph captured under
+    that setting (warm-up on a side stream first, as the engine captures)."""
+    results = {}
+    for on in (False, True):
+        pdl.set_pdl(on)
+        results[f"eager {on}"] = [t.clone() for t in fn()]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = fn()
+        for t in outs:
+            t.zero_()  # the replay must write them
+        graph.replay()
+        torch.cuda.synchronize()
+        results[f"graph {on}"] = [t.clone() for t in outs]
+        del graph
+    pdl.set_pdl(False)
+    return results
+
+
+def assert_all_equal(results: dict[str, list[torch.Tensor]]) -> None:
+    (first, expected), *rest = results.items()
+    for name, outs in rest:
+        for i, (a, b) in enumerate(zip(outs, expected)):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"{name} output {i} differs from {first}"
+
+
+def test_pdl_runs_on_this_gpu():
+    """The switch turns PDL on here (Triton has the grid-dependency ops and the launch option)."""
+    pdl.set_pdl(True)
+    assert pdl.pdl_supported("cuda") and pdl.pdl_enabled(torch.device("cuda", torch.cuda.current_device()))
+
+
+@pytest.mark.parametrize("batch", [1, 64])
+@pytest.mark.parametrize("one_launch", [True, False])  # split-K sums and split merges fused, or second launches
+def test_decode_step_kernels_same_bits(batch, one_launch, monkeypatch):
+    """The bench's Qwen3-0.6B-shaped decode step (kernels/bench_pdl.py): RMSNorm, GEMV, q/k norm + rotary + KV
+    store, split-KV decode attention, the LM head; at 64 rows cuBLAS matmuls and silu_and_mul in between."""
+    from spmd_engine.kernels import bench_pdl
+
+    monkeypatch.setattr(bench_pdl, "LAYERS", 4)  # every kernel of a layer; 28 would only take longer
+    monkeypatch.setattr(gemv, "SPLIT_K_ONE_LAUNCH", one_launch)
+    monkeypatch.setattr(decode_attention, "DECODE_FUSED_MERGE", one_launch)
+    step = bench_pdl.DecodeStep(batch, context=300)  # 3 splits of the decode attention at batch 1
+
+    def run():
+        step.run()
+        return [step.logits]
+
+    with torch.inference_mode():
+        assert_all_equal(run_both_ways(run))
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_mixed_step_attention_same_bits(fuse):
+    """The attention plan of a mixed step (decode rows + prompt chunks): one launch, or decode + merge +
+    prefill launches; and the store of the step's keys before it."""
+    from spmd_engine.kernels.kv_store import store_kv
+    from spmd_engine.kernels.mixed_attention import plan_paged_attention
+    from tests.kernels.paged_batch import make_paged_batch
+
+    num_decode = 4
+    batch = make_paged_batch([1] * num_decode + [200, 57], [900, 1300, 77, 2000, 200, 400], 16, 16, 8, 128,
+                             torch.bfloat16, seed=3)
+    k_new = torch.randn(batch.query.shape[0], 8, 128, device="cuda", dtype=torch.bfloat16)
+    slots = torch.randperm(batch.k_cache.shape[0] * 16, device="cuda")[:batch.query.shape[0]]
+
+    def run():
+        store_kv(k_new, k_new, batch.k_cache, batch.v_cache, slots)
+        out = torch.empty_like(batch.query)
+        plan = plan_paged_attention(batch.query, batch.k_cache, batch.v_cache, out, batch.cu_seqlens_q,
+                                    batch.seq_lens, batch.block_tables, num_decode, batch.max_query_len, fuse=fuse,
+                                    share_partials=False)
+        return [plan.launch(batch.query, batch.k_cache, batch.v_cache, out, batch.scale)]
+
+    assert_all_equal(run_both_ways(run))
+
+
+def test_sampling_kernels_same_bits():
+    from spmd_engine.kernels.sampling_noise import gumbel_noise, gumbel_noise_at, gumbel_race, nucleus_sample
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows, vocab = 8, 151936
+    logits = torch.randn(rows, vocab, device="cuda", generator=gen) * 3
+    temps = torch.full((rows,), 0.7, device="cuda")
+    top_ps = torch.full((rows,), 0.9, device="cuda")
+    seeds = torch.arange(rows, device="cuda", dtype=torch.int64) * 7919
+    counters = torch.arange(rows, device="cuda", dtype=torch.int64)
+    cols = torch.randint(0, vocab, (rows, 20), device="cuda", generator=gen)
+
+    def run():
+        return [gumbel_race(logits, temps, seeds, counters), nucleus_sample(logits, temps, top_ps, seeds, counters, 4),
+                gumbel_noise(seeds, counters, 1, 4096), gumbel_noise_at(seeds, counters, 2, cols)]
+
+    assert_all_equal(run_both_ways(run))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return tiny_bf16_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt")
+
+
+def engine_results(checkpoint, **engine) -> list:
+    from spmd_engine.job.prompts import PromptRequest
+
+    llm = make_llm(checkpoint, **engine)
+    try:
+        assert llm.runner.pdl is engine["cuda_pdl"]
+        requests = [PromptRequest(i, None, p, {"temperature": 0.0, "max_tokens": 16, "ignore_eos": True,
+                                               "logprobs": 5, "prompt_logprobs": 2})
+                    for i, p in enumerate(PROMPTS)]
+        requests += [PromptRequest(len(PROMPTS) + i, None, p, {"temperature": 0.8, "top_p": 0.9, "seed": 11 + i,
+                                                               "max_tokens": 16, "ignore_eos": True})
+                     for i, p in enumerate(PROMPTS[:3])]
+        outs = llm.generate(requests)
+        assert [o.error for o in outs] == [None] * len(requests)
+        return [(o.token_ids, o.logprobs, o.prompt_logprobs) for o in outs]
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_tiny_model_same_tokens_and_logprobs(checkpoint, enforce_eager):
+    """Greedy tokens with their top-5 logprobs (float32 logits, compared exactly), prompt logprobs (the
+    prefill path) and seeded top-p draws: the same with cuda_pdl on as off, in the decode graphs and eagerly."""
+    off = engine_results(checkpoint, cuda_pdl=False, enforce_eager=enforce_eager)
+    on = engine_results(checkpoint, cuda_pdl=True, enforce_eager=enforce_eager)
+    assert on == off
