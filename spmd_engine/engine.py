@@ -455,7 +455,7 @@ class _Generation:
         llm.runner.apply_stop(stop)
         llm.step_progress.idle()
         self.bar.close()
-        loop.timer.set_gpu_idle(loop.timeline.idle_ms())
+        loop.timer.set_gpu_idle(loop.timeline.idle_ms(), loop.timeline.busy_ms())
         cached = self.cached_tokens
         preemptions = self.scheduler.num_preemptions - self.preemptions_before
         self.summary = {"steps": loop.steps, "decode_steps": loop.decode_steps,

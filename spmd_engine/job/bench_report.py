@@ -107,6 +107,7 @@ def bench_report(llm, works: list[dict], engine_run: dict, wall_s: float, output
         if row:
             idle = (f"; GPU idle {row['gpu_idle_ms']:.3f} ms ({100 * row['gpu_idle_fraction']:.1f}%)"
                     if "gpu_idle_ms" in row else "")
+            idle += f"; GPU busy {row['gpu_busy_ms']:.3f} ms" if "gpu_busy_ms" in row else ""
             log.info("bench %s steps: %d x %.2f ms (%.0f seqs): wait %.3f, postprocess %.3f, schedule %.3f, "
                      "broadcast %.3f, inputs %.3f, sample %.3f, forward %.3f ms; host plan work %.1f%%%s", kind,
                      row["steps"], row["step_ms"], row["mean_seqs"], row["wait_ms"], row["postprocess_ms"],

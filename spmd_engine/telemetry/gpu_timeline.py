@@ -14,12 +14,15 @@ MARKS = ("forward_start", "forward_end", "sample_start", "sample_end")
 
 class GpuTimeline:
     """Four events per step; `idle_ms()` is, per step, the time from that step's forward start to the
-    next one's minus the GPU time inside the forward and the sampling (None for the last step)."""
+    next one's minus the GPU time inside the forward and the sampling (None for the last step), and
+    `busy_ms()` that GPU time: what a step costs the GPU, which host clocks cannot tell under async
+    scheduling (a step's GPU work is waited for in a later step)."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self._marks: dict[int, dict[str, torch.cuda.Event]] = {}  # steps whose idle time is not read yet
         self._idle: list[float | None] = []  # steps 0, 1, ... whose idle time is read
+        self._busy: list[float | None] = []  # their GPU time inside the forward and the sampling
 
     def mark(self, step_index: int, name: str) -> None:
         if not self.enabled:
@@ -38,6 +41,10 @@ class GpuTimeline:
         self._read(wait=True)
         return list(self._idle)
 
+    def busy_ms(self) -> list[float | None]:
+        """Per step (after `idle_ms`, which reads the last events); None where a mark is missing."""
+        return list(self._busy) if self.enabled else []
+
     def _read(self, wait: bool) -> None:
         """Read, in step order, the steps whose successor's forward has started on the GPU (every
         step when `wait`: the caller synchronised), and drop their events."""
@@ -49,9 +56,11 @@ class GpuTimeline:
                 return
             if following is None or not all(m in this for m in MARKS):
                 self._idle.append(None)
+                self._busy.append(None)
             else:
                 span = this["forward_start"].elapsed_time(following)
                 busy = (this["forward_start"].elapsed_time(this["forward_end"])
                         + this["sample_start"].elapsed_time(this["sample_end"]))
                 self._idle.append(max(0.0, span - busy))
+                self._busy.append(busy)
             del self._marks[step]

@@ -41,15 +41,18 @@ class StepTimer:
     is_decode: list[bool] = field(default_factory=list)
     phases: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in PHASES})
     gpu_idle_ms: list[float | None] = field(default_factory=list)  # per step, CUDA only
+    gpu_busy_ms: list[float | None] = field(default_factory=list)  # per step: GPU time of its forward + sampling
     # per step when the caller knows them: sequences with one new token (a non-decode step with some is
     # "mixed", without any "prefill"), and how the forward ran (LAUNCHES)
     num_decode_seqs: list[int | None] = field(default_factory=list)
     launches: list[str | None] = field(default_factory=list)
 
-    def set_gpu_idle(self, per_step_ms: list[float | None]) -> None:
-        if per_step_ms and len(per_step_ms) != len(self):
-            raise ValueError(f"{len(per_step_ms)} GPU idle times for {len(self)} steps")
+    def set_gpu_idle(self, per_step_ms: list[float | None], busy_ms: list[float | None] | None = None) -> None:
+        for name, values in (("idle", per_step_ms), ("busy", busy_ms or [])):
+            if values and len(values) != len(self):
+                raise ValueError(f"{len(values)} GPU {name} times for {len(self)} steps")
         self.gpu_idle_ms = list(per_step_ms)
+        self.gpu_busy_ms = list(busy_ms or [])
 
     def add(self, num_seqs: int, num_tokens: int, is_decode: bool, *, num_decode_seqs: int | None = None,
             launch: str | None = None, **durations: float) -> None:
@@ -106,4 +109,8 @@ class StepTimer:
             if known.any():
                 row["gpu_idle_ms"] = float(idle[known].mean())
                 row["gpu_idle_fraction"] = float(idle[known].sum() / step[known].sum()) if step[known].sum() > 0 else 0.0
+        if self.gpu_busy_ms:
+            busy = np.asarray([np.nan if v is None else v for v in self.gpu_busy_ms])[mask]
+            if (~np.isnan(busy)).any():
+                row["gpu_busy_ms"] = float(np.nanmean(busy))
         return row

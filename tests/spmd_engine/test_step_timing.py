@@ -41,6 +41,22 @@ def test_gpu_idle_is_summarised_over_the_steps_that_have_it():
     assert full["host_plan_fraction"] == pytest.approx(0.2)
     with pytest.raises(ValueError, match="2 GPU idle times for 3 steps"):
         timer.set_gpu_idle([0.1, 0.2])
+    assert "gpu_busy_ms" not in full
+
+
+def test_gpu_busy_is_each_kinds_gpu_time_per_step():
+    """The GPU time of a step's forward + sampling, by step kind: under async scheduling the host
+    clocks charge a step's GPU work to whichever later step waits for it."""
+    timer = StepTimer()
+    timer.add(8, 8, True, **phases(wait=0.008))
+    timer.add(8, 40, False, num_decode_seqs=7, **phases(wait=0.001))
+    timer.add(8, 8, True, **phases(wait=0.008))
+    timer.set_gpu_idle([0.1, 0.2, None], [4.0, 9.0, None])
+    summary = timer.summary()
+    assert summary["decode"]["gpu_busy_ms"] == pytest.approx(4.0)
+    assert summary["mixed"]["gpu_busy_ms"] == pytest.approx(9.0)
+    with pytest.raises(ValueError, match="1 GPU busy times for 3 steps"):
+        timer.set_gpu_idle([0.1, 0.2, None], [1.0])
 
 
 def test_a_phase_clock_charges_every_gap_to_the_next_lap_and_sums_repeated_phases(monkeypatch):
