@@ -32,4 +32,5 @@ def test_host_gaps_are_idle_time_and_events_are_dropped_once_read():
     assert all(v >= 0.8 * gap_s * 1e3 for v in odd), odd
     busy = timeline.busy_ms()
     assert len(busy) == steps and busy[-1] is None
-    assert all(0 < b < 1e3 * gap_s for b in busy[:-1]), busy  # a 2048^3 matmul: far below the 5 ms gap
+    assert all(0 < b for b in busy[:-1]), busy
+    assert all(b < 1e3 * gap_s for b in busy[1:-1]), busy  # a 2048^3 matmul (after the first): below the gap
