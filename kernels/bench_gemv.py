@@ -10,7 +10,7 @@ Pick `SMALL_BATCH_MAX_M` (models/layers/linear.py) from the last M where the GEM
 `--sweep` also times a few block choices per shape at M=1 and M=16 and prints the best as
 `GEMV_TABLE` entries to paste into kernels/gemv.py.
 
-Run: `PYTHONPATH=. python kernels/bench_gemv.py [--model qwen3|qwen3_8b|all] [--sweep]`.
+Run: `PYTHONPATH=. python kernels/bench_gemv.py [--model qwen3|qwen3_8b|all] [--sweep | --sweep-only]`.
 """
 from __future__ import annotations
 
@@ -137,12 +137,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=[*MODELS, "all"], default="all")
     parser.add_argument("--sweep", action="store_true", help="also time block choices per shape")
+    parser.add_argument("--sweep-only", action="store_true", help="the sweep without the cuBLAS comparison")
     args = parser.parse_args()
     names = list(MODELS) if args.model == "all" else [args.model]
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
-    for name in names:
+    for name in names if not args.sweep_only else []:
         compare(name)
-    if args.sweep:
+    if args.sweep or args.sweep_only:
         for name in names:
             sweep(name)
 
