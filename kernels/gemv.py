@@ -64,8 +64,14 @@ class GemvConfig:
 
 
 # Explicit choices by (N, K, element size in bytes); shapes not listed use `_heuristic_config`.
-# Fill from `python kernels/bench_gemv.py --sweep` on the target GPU.
-GEMV_TABLE: dict[tuple[int, int, int], GemvConfig] = {}
+# Filled from `python kernels/bench_gemv.py --model qwen3 --sweep-only` on an H200 (docs/BENCHMARKS.md,
+# session 6): µs per matmul at M=1, the heuristic's choice in brackets. With K = 1024 one program over
+# the whole K beats the split: its sum needs no second pass.
+GEMV_TABLE: dict[tuple[int, int, int], GemvConfig] = {
+    (4096, 1024, 2): GemvConfig(block_n=64, block_k=256, split_k=1),  # Qwen3-0.6B qkv: 5.1 (5.9)
+    (1024, 2048, 2): GemvConfig(block_n=64, block_k=256, split_k=8),  # o_proj: 4.7 (4.8)
+    (6144, 1024, 2): GemvConfig(block_n=64, block_k=256, split_k=1),  # gate_up: 6.0 (8.4)
+}
 
 
 def _heuristic_config(n: int, k: int, elem_bytes: int) -> GemvConfig:

@@ -21,11 +21,12 @@ when on, `launch_pdl=True`.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
 import types
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 import triton
@@ -99,6 +100,19 @@ def set_pdl(enabled: bool) -> None:
 
 
 _cache: dict[torch.device, Mapping[str, bool]] = {}
+
+
+@contextlib.contextmanager
+def pdl_launches(enabled: bool) -> Iterator[None]:
+    """The launches (and captures) inside the block use PDL as `enabled` says, where it can run; the
+    request before it holds again after. Why: PDL pays for small launches only (a decode graph of few
+    rows) and costs a little at 256 rows, so the engine asks for it per captured graph."""
+    before = _requested
+    set_pdl(enabled)
+    try:
+        yield
+    finally:
+        set_pdl(before)
 
 
 def pdl_launch(device: torch.device) -> Mapping[str, bool]:

@@ -72,9 +72,10 @@ class EngineConfig:
     # CUDA matmuls of <= 16 rows (small-batch decode) and the LM head by a Triton split-K GEMV reading the
     # weights near bandwidth; false: cuBLAS for every size
     small_batch_gemv: bool = True
-    # CUDA sm_90+: the Triton kernels launch with Programmatic Dependent Launch (kernels/pdl.py: the next
-    # kernel's launch overlaps the previous one's tail; same bits); a silent no-op elsewhere. Off until measured
-    cuda_pdl: bool = False
+    # CUDA sm_90+: the decode CUDA graphs of at most 128 rows (executor/cuda_graphs.PDL_MAX_ROWS) launch their
+    # Triton kernels with Programmatic Dependent Launch (kernels/pdl.py: the next kernel's launch overlaps the
+    # previous one's tail; same bits); a silent no-op elsewhere
+    cuda_pdl: bool = True
     seed: int = 0
     tensor_parallel_size: int | None = None  # ranks per replica; None: derived from the world size
     data_parallel_size: int | None = None  # replicas of tensor_parallel_size ranks each; None: derived

@@ -18,6 +18,11 @@ import torch
 from spmd_engine.executor.forward_batch import ForwardBatch, HostBatch
 from spmd_engine.executor.input_buffers import InputBuffers
 
+# decode graphs of at most this many rows launch their Triton kernels with Programmatic Dependent Launch
+# (engine key cuda_pdl). Measured on an H200 (kernels/bench_pdl.py, docs/BENCHMARKS.md session 6): a
+# Qwen3-0.6B decode step is 9.7 % faster at 1 row, 2.7 % at 16, 0.6 % at 128, and 0.6 % slower at 256
+PDL_MAX_ROWS = 128
+
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +69,14 @@ class DecodeGraphs:
 
     @classmethod
     @torch.inference_mode()
-    def capture(cls, model: torch.nn.Module, buffers: InputBuffers, max_num_seqs: int, pool=None) -> DecodeGraphs:
+    def capture(cls, model: torch.nn.Module, buffers: InputBuffers, max_num_seqs: int, pool=None,
+                pdl_max_rows: int = 0) -> DecodeGraphs:
         """Capture every size of `graph_batch_sizes(max_num_seqs)` over `buffers` (the runner's own:
         the graphs read and write exactly those views); `pool`: a graph memory pool to share (the
-        piecewise graphs'), None for a new one."""
+        piecewise graphs'), None for a new one. The graphs of at most `pdl_max_rows` rows launch their
+        Triton kernels with Programmatic Dependent Launch (kernels/pdl.py; where it can run)."""
+        from spmd_engine.kernels.pdl import pdl_launches
+
         max_blocks = buffers.max_blocks
         sizes = [n for n in graph_batch_sizes(max_num_seqs) if n <= buffers.max_tokens]
         started = time.perf_counter()
@@ -77,14 +86,15 @@ class DecodeGraphs:
         graphs: dict[int, _Graph] = {}
         for n in reversed(sizes):
             batch = buffers.load(HostBatch.padding(n, max_blocks), rows=n)
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(WARMUP_RUNS):
-                    decode_step(model, batch)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                logits = decode_step(model, batch)
+            with pdl_launches(n <= pdl_max_rows):
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(WARMUP_RUNS):
+                        decode_step(model, batch)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                    logits = decode_step(model, batch)
             graphs[n] = _Graph(graph, logits)
         torch.cuda.synchronize()
         log.info("CUDA graphs: %d decode batch sizes (%s) captured in %.1f s, %.2f GiB reserved",

@@ -15,7 +15,7 @@ import torch
 
 from spmd_engine.models.model_config import ModelShape
 from spmd_engine.distributed import Replica, all_reduce_min, broadcast_tensor, is_distributed
-from spmd_engine.executor.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from spmd_engine.executor.cuda_graphs import PDL_MAX_ROWS, DecodeGraphs, graph_batch_sizes
 from spmd_engine.executor.forward_batch import ForwardBatch, HostBatch, build_host_batch, to_device
 from spmd_engine.executor.input_buffers import InputBuffers
 from spmd_engine.executor.piecewise_graphs import CudaGraphCapture, PiecewiseGraphs, piecewise_token_buckets
@@ -39,7 +39,7 @@ class RunnerSettings:
     cpu_kv_cache_gib: float
     num_kv_blocks: int | None
     kv_cache_dtype: str = "auto"  # auto (the model dtype) | fp8 (float8_e4m3fn, calibrated per-head scales)
-    cuda_pdl: bool = False  # Triton kernels launched with Programmatic Dependent Launch where it runs (kernels/pdl.py)
+    cuda_pdl: bool = True  # small decode graphs launch their Triton kernels with PDL where it runs (kernels/pdl.py)
 
 
 @dataclass
@@ -63,14 +63,14 @@ class StagedStep:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, shape: ModelShape, settings: RunnerSettings,
                  device: torch.device, dtype: torch.dtype, tp_size: int, replica: Replica | None = None) -> None:
-        # before any launch or capture: the graphs keep the launches (and their PDL attribute) they record.
-        # CPU: nothing to set (no Triton launch but the interpreter's, never PDL; Triton not imported)
-        self.pdl = False  # whether this rank's Triton kernels launch with PDL (cuda_pdl where it can run)
+        # PDL only inside the decode graphs of at most PDL_MAX_ROWS rows (DecodeGraphs.capture); every other
+        # launch without it. CPU: nothing to set (no Triton launch but the interpreter's; Triton not imported)
+        self.pdl = False  # whether this rank's small decode graphs launch their Triton kernels with PDL
         if device.type == "cuda":
-            from spmd_engine.kernels.pdl import pdl_enabled, set_pdl
+            from spmd_engine.kernels.pdl import pdl_supported, set_pdl
 
-            set_pdl(settings.cuda_pdl)
-            self.pdl = pdl_enabled(device)
+            set_pdl(False)
+            self.pdl = settings.cuda_pdl and pdl_supported(device) and not settings.enforce_eager
         self.model = model
         self.replica = replica  # the sampled tokens go to this replica's ranks (None: every rank)
         self.shape = shape
@@ -105,7 +105,8 @@ class ModelRunner:
         # a pool smaller than one sequence is refused by the engine right after this; capture nothing
         if self.use_graphs and self.num_blocks * settings.block_size >= settings.max_model_len:
             pool = torch.cuda.graph_pool_handle()  # one pool: the decode graphs' logits first, then the pieces
-            self.graphs = DecodeGraphs.capture(model, self.inputs, settings.max_num_seqs, pool)
+            self.graphs = DecodeGraphs.capture(model, self.inputs, settings.max_num_seqs, pool,
+                                               PDL_MAX_ROWS if settings.cuda_pdl else 0)
             self.piecewise = PiecewiseGraphs.capture(model, self.inputs, settings.max_num_seqs,
                                                      piecewise_token_buckets(settings.max_num_batched_tokens),
                                                      CudaGraphCapture(pool))

@@ -146,10 +146,33 @@ def engine_results(checkpoint, **engine) -> list:
         llm.close()
 
 
-@pytest.mark.parametrize("enforce_eager", [False, True])
-def test_tiny_model_same_tokens_and_logprobs(checkpoint, enforce_eager):
+def test_tiny_model_same_tokens_and_logprobs(checkpoint):
     """Greedy tokens with their top-5 logprobs (float32 logits, compared exactly), prompt logprobs (the
-    prefill path) and seeded top-p draws: the same with cuda_pdl on as off, in the decode graphs and eagerly."""
-    off = engine_results(checkpoint, cuda_pdl=False, enforce_eager=enforce_eager)
-    on = engine_results(checkpoint, cuda_pdl=True, enforce_eager=enforce_eager)
+    prefill path) and seeded top-p draws: the same with cuda_pdl on (the small decode graphs) as off."""
+    off = engine_results(checkpoint, cuda_pdl=False)
+    on = engine_results(checkpoint, cuda_pdl=True)
     assert on == off
+
+
+def test_only_the_small_decode_graphs_launch_with_pdl(checkpoint, monkeypatch):
+    """PDL is asked for per captured decode graph (at most PDL_MAX_ROWS rows: it costs a little at 256)
+    and is off again for every other launch (eager, piecewise, sampling) once the engine has started."""
+    from spmd_engine.executor.cuda_graphs import PDL_MAX_ROWS, graph_batch_sizes
+    from spmd_engine.kernels import pdl
+
+    asked = []
+    real = pdl.pdl_launches
+
+    def recording(enabled):
+        asked.append(enabled)
+        return real(enabled)
+
+    monkeypatch.setattr(pdl, "pdl_launches", recording)
+    llm = make_llm(checkpoint, cuda_pdl=True, max_num_seqs=160)
+    try:
+        sizes = sorted(llm.runner.graphs.sizes, reverse=True)
+        assert sizes == sorted(graph_batch_sizes(160), reverse=True) and max(sizes) > PDL_MAX_ROWS
+        assert asked == [n <= PDL_MAX_ROWS for n in sizes]
+        assert not pdl.pdl_enabled("cuda")
+    finally:
+        llm.close()

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from spmd_engine.kernels import gemv as gemv_module
-from spmd_engine.kernels.gemv import GEMV_MAX_M, GemvConfig, gemv, gemv_config
+from spmd_engine.kernels.gemv import GEMV_MAX_M, GEMV_TABLE, GemvConfig, gemv, gemv_config
 from spmd_engine.kernels.reference import linear_reference
 from spmd_engine.kernels.silu_and_mul import silu_and_mul
 from tests.kernels.paged_batch import DEVICE
@@ -87,9 +87,11 @@ def test_default_config_and_leading_dims():
 
 
 def test_block_choice_depends_only_on_the_shape():
-    """Qwen3-0.6B shapes: the projections split K, the LM head's tiles alone fill the GPU."""
+    """Qwen3-0.6B shapes: the long-K projections split K, the LM head's tiles alone fill the GPU, and the
+    measured table (GEMV_TABLE) overrides the heuristic: qkv (K = 1024) runs whole rows."""
     assert gemv_config(151936, 1024, 2).split_k == 1
-    assert gemv_config(1024, 3072, 2).split_k > 1 and gemv_config(4096, 1024, 2).split_k > 1
+    assert gemv_config(1024, 3072, 2).split_k > 1 and gemv_config(4096, 1024, 2) == GEMV_TABLE[(4096, 1024, 2)]
+    assert gemv_config(4096, 1024, 4).split_k > 1  # float32 operands: the heuristic
     for n, k in [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (6144, 4096), (4096, 12288), (40, 80)]:
         cfg = gemv_config(n, k, 2)
         assert cfg.block_k * (cfg.split_k - 1) < k and cfg.block_n >= 16 and cfg.block_k >= 16

@@ -166,11 +166,11 @@ def test_tp_allreduce_accepts_its_three_paths(value):
     engine_config_from_dict(base(tp_allreduce=value)).validate(2)
 
 
-def test_cuda_pdl_is_off_by_default_and_takes_only_a_boolean():
+def test_cuda_pdl_is_on_by_default_and_takes_only_a_boolean():
     from spmd_engine.llm import compose_config
 
-    assert engine_config_from_dict(base()).cuda_pdl is False and compose_config("smollm2", {})["cuda_pdl"] is False
-    assert engine_config_from_dict(base(cuda_pdl=True)).cuda_pdl is True
+    assert engine_config_from_dict(base()).cuda_pdl is True and compose_config("smollm2", {})["cuda_pdl"] is True
+    assert engine_config_from_dict(base(cuda_pdl=False)).cuda_pdl is False
     with pytest.raises(ConfigError, match="cuda_pdl"):
         engine_config_from_dict(base(cuda_pdl="fast"))
 
