@@ -176,8 +176,11 @@ def decode_split_program(
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if arrived == num_splits - 1:
                 slot0 = (seq.to(tl.int64) * num_q_heads + heads) * num_splits  # [BLOCK_H]
+                # only the splits that hold keys: the count follows the table width (a graph's shape), the
+                # context is often far shorter (batch 1, 4k table, 650 keys: 6 of 32), and the others weigh 0
+                live = tl.where(seq_len > 0, tl.cdiv(seq_len, tl.maximum(split_len, 1)), 1)
                 merged = _merge_partials(
-                    partial_out, partial_lse, slot0[:, None], row_valid[:, None], dims, num_splits, HEAD_DIM
+                    partial_out, partial_lse, slot0[:, None], row_valid[:, None], dims, live, HEAD_DIM
                 )
                 tl.store(
                     out + seq.to(tl.int64) * stride_o_seq + heads[:, None] * stride_o_head + dims[None, :],
@@ -219,7 +222,9 @@ def _merge_partials(
     axis: a reduction's order follows the compiler's layout (tile shape, num_warps), and the fused merge
     runs under the split kernel's warps, the second launch under its own; this order is the same in
     both, so the two paths give the same bits. Loads are `.cg` (L2): never a stale L1 line of a partial
-    another program stored."""
+    another program stored. `num_splits` may stop at the last split that holds keys (the fused merge):
+    a split past the sequence end has log-sum-exp -inf, weight exactly 0, and adds +0 to the sums,
+    which leaves them as they are (the sums start at +0 and never become -0), so the bits are the same."""
     lse_max = tl.load(partial_lse + slot0, mask=row_mask, other=float("-inf"), cache_modifier=".cg")
     for s in range(1, num_splits):
         lse_max = tl.maximum(
