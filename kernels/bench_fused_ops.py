@@ -87,7 +87,9 @@ def step(tokens: int, norm, qk_norm, rotary, silu):
     return run
 
 
-def graph_ms(fn) -> float:
+def capture(fn):
+    """fn run once on a side stream (compiles and warms up, as the engine does before capture), then
+    captured in a CUDA graph: (the graph, what fn returned during capture)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -95,7 +97,12 @@ def graph_ms(fn) -> float:
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        outs = fn()
+    return graph, outs
+
+
+def graph_ms(fn) -> float:
+    graph, _ = capture(fn)
     return triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
 
 

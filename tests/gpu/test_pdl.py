@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from spmd_engine.kernels import decode_attention, gemv, pdl
+from spmd_engine.kernels.bench_fused_ops import capture
 from tests.gpu.engine_setup import GPU, PROMPTS, make_llm, tiny_bf16_checkpoint
 
 HOPPER = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
@@ -27,14 +28,7 @@ def run_both_ways(fn) -> dict[str, list[torch.Tensor]]:
     for on in (False, True):
         pdl.set_pdl(on)
         results[f"eager {on}"] = [t.clone() for t in fn()]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outs = fn()
+        graph, outs = capture(fn)
         for t in outs:
             t.zero_()  # the replay must write them
         graph.replay()
