@@ -38,7 +38,7 @@ from spmd_engine.executor.logprobs import (PendingLogprobs, SampledLogprobRows, 
 from spmd_engine.executor.model_runner import ModelRunner, RunnerSettings, StagedStep
 from spmd_engine.executor.model_source import ModelSource, resolve_model_source
 from spmd_engine.executor.sampler import Sampler, SamplingBatch, request_seed, seed_bits
-from spmd_engine.executor.token_readback import TokenReadback
+from spmd_engine.executor.token_readback import ReadbackBuffers, TokenReadback
 from spmd_engine.executor.tp_allreduce import (ProcessGroupAllReduce, SymmMemAllReduce, TpAllReduceUnavailable,
                                                TpGroup, make_tp_allreduce, symm_mem_buffer_bytes)
 from spmd_engine.faults.injection import FaultInjector
@@ -334,6 +334,7 @@ class _Generation:
         self.prompt_logprobs: dict[int, list[dict | None]] = {}
         self.builder = PlanBuilder()
         self.sampler = Sampler(llm.device)
+        self.readback_buffers = ReadbackBuffers()  # the sampled tokens' pinned host buffers, reused (CUDA)
         self.generation = llm.step  # tells this generate call's unseeded request seeds from another's
         self.step = llm.step  # the engine's step counter, handed back at the end with `summary`
         self.summary: dict[str, Any] = {}
@@ -508,7 +509,8 @@ class _Generation:
         tokens = self.sampler.sample_on_device(launched.logits, rows)
         timeline.mark(launched.index, "sample_end")
         pending = (wanted.rows, wanted.finish(tokens)) if wanted is not None else None
-        return _Sampled(schedule, seqs, tokens, TokenReadback(tokens), pending, launched.prompt_logprobs)
+        return _Sampled(schedule, seqs, tokens, TokenReadback(tokens, self.readback_buffers), pending,
+                        launched.prompt_logprobs)
 
     def _queue_prompt_logprobs(self, schedule: ScheduleOutput) -> "_PromptLogprobs | None":
         """Prompt logprobs of a launched step's prompt rows (rank 0; None when no request asked)."""
