@@ -12,7 +12,8 @@ write-after-read hazards alike), and only then it lets its own successor launch.
 therefore transitive down the stream and every kernel's bits are the same with PDL on or off; what
 overlaps is only the successor's launch and CTA dispatch with the predecessor's tail.
 
-The switch (`set_pdl`, engine key `cuda_pdl`) is a request; a launch uses PDL only where it can run:
+The switch (`set_pdl`, or `pdl_launches` around a block: the engine asks for it per captured decode
+graph, see executor/cuda_graphs.PDL_MAX_ROWS) is a request; a launch uses PDL only where it can run:
 a CUDA (not ROCm) device of compute capability >= 9.0, not under TRITON_INTERPRET, and a Triton that
 has `triton.language.extra.cuda.gdc_wait` / `gdc_launch_dependents` and the `launch_pdl` launch
 option. Anywhere else the request is a silent no-op (the start-up log says whether it is on).
@@ -59,7 +60,7 @@ else:  # pragma: no cover - depends on the installed Triton
 _ON: Mapping[str, bool] = types.MappingProxyType({"USE_PDL": True, "launch_pdl": True})
 _OFF: Mapping[str, bool] = types.MappingProxyType({"USE_PDL": False})
 
-_requested = False  # set_pdl's last request (engine key cuda_pdl; off until measured on the GPU)
+_requested = False  # set_pdl's last request (off outside the small decode graphs' capture)
 
 
 def _interpreting() -> bool:
@@ -91,9 +92,8 @@ def pdl_supported(device: torch.device | str) -> bool:
 
 
 def set_pdl(enabled: bool) -> None:
-    """Request PDL for every later launch (engine key `cuda_pdl`, set by the model runner at start-up,
-    before any CUDA-graph capture: a captured graph keeps the launches it recorded). A no-op where
-    `pdl_supported` is False."""
+    """Request PDL (or not) for every later launch until the next request; a captured graph keeps the
+    launches it recorded. A no-op where `pdl_supported` is False."""
     global _requested
     _requested = bool(enabled)
     _cache.clear()

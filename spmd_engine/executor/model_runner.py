@@ -67,10 +67,9 @@ class ModelRunner:
         # launch without it. CPU: nothing to set (no Triton launch but the interpreter's; Triton not imported)
         self.pdl = False  # whether this rank's small decode graphs launch their Triton kernels with PDL
         if device.type == "cuda":
-            from spmd_engine.kernels.pdl import pdl_supported, set_pdl
+            from spmd_engine.kernels.pdl import set_pdl
 
-            set_pdl(False)
-            self.pdl = settings.cuda_pdl and pdl_supported(device) and not settings.enforce_eager
+            set_pdl(False)  # whatever an earlier engine or caller in this process asked for
         self.model = model
         self.replica = replica  # the sampled tokens go to this replica's ranks (None: every rank)
         self.shape = shape
@@ -107,6 +106,9 @@ class ModelRunner:
             pool = torch.cuda.graph_pool_handle()  # one pool: the decode graphs' logits first, then the pieces
             self.graphs = DecodeGraphs.capture(model, self.inputs, settings.max_num_seqs, pool,
                                                PDL_MAX_ROWS if settings.cuda_pdl else 0)
+            from spmd_engine.kernels.pdl import pdl_supported
+
+            self.pdl = settings.cuda_pdl and pdl_supported(device)
             self.piecewise = PiecewiseGraphs.capture(model, self.inputs, settings.max_num_seqs,
                                                      piecewise_token_buckets(settings.max_num_batched_tokens),
                                                      CudaGraphCapture(pool))
