@@ -123,7 +123,8 @@ class PagedAttentionPlan:
 
     def _partials(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The split partials (with one split the kernel writes `out` directly: it stands in for both,
-        except in the mixed kernel, whose pointer types must not follow the split count). Shared by every layer: stream order keeps one layer's merge before the next layer's splits."""
+        except in the mixed kernel, whose pointer types must not follow the split count). Shared by every
+        layer: stream order keeps one layer's merge before the next layer's splits."""
         if self.partial_shape[2] == 1 and self.mixed is None:
             return out, out
         if self.partials is not None:
@@ -228,7 +229,7 @@ def plan_paged_attention(
         # batch composition (a constexpr split count compiled a variant per count in the middle of a job)
         counters, merge = merge_counters(query.device, num_decode * num_kv_heads), None
         mixed = (grid, (num_q_heads, num_decode, num_q_tiles, prefill_programs, num_splits), dict(
-            **common, BLOCK_H=decode_block_h(group), DECODE_BLOCK_N=dcfg.block_n, BLOCK_M=pcfg.block_m,
+            **common, BLOCK_H=decode_meta["BLOCK_H"], DECODE_BLOCK_N=dcfg.block_n, BLOCK_M=pcfg.block_m,
             BLOCK_N=pcfg.block_n,
             # the prompt chunks carry the step's compute: their pipelining (registers are the larger body's)
             num_warps=pcfg.num_warps, num_stages=pcfg.num_stages))

@@ -67,7 +67,7 @@ class ModelRunner:
         # launch without it. CPU: nothing to set (no Triton launch but the interpreter's; Triton not imported)
         self.pdl = False  # whether this rank's small decode graphs launch their Triton kernels with PDL
         if device.type == "cuda":
-            from spmd_engine.kernels.pdl import set_pdl
+            from spmd_engine.kernels.pdl import pdl_supported, set_pdl
 
             set_pdl(False)  # whatever an earlier engine or caller in this process asked for
         self.model = model
@@ -106,8 +106,6 @@ class ModelRunner:
             pool = torch.cuda.graph_pool_handle()  # one pool: the decode graphs' logits first, then the pieces
             self.graphs = DecodeGraphs.capture(model, self.inputs, settings.max_num_seqs, pool,
                                                PDL_MAX_ROWS if settings.cuda_pdl else 0)
-            from spmd_engine.kernels.pdl import pdl_supported
-
             self.pdl = settings.cuda_pdl and pdl_supported(device)
             self.piecewise = PiecewiseGraphs.capture(model, self.inputs, settings.max_num_seqs,
                                                      piecewise_token_buckets(settings.max_num_batched_tokens),
@@ -191,8 +189,8 @@ class ModelRunner:
         path, once, at start-up. Why: Triton compiles a kernel at its first launch, and these two steps'
         attention kernels are met by no warm-up or capture before (the one-launch mixed kernel takes ~2 s
         to compile: it was inside the first mixed step of every job on a fresh machine). They write K/V
-        into the first few blocks, which a sequence reads only after writing them itself (on CPU too, so the HF
-        parity tests check that)."""
+        into the first few blocks, which a sequence reads only after writing them itself (on CPU too, so
+        the HF parity tests check that)."""
         s = self.settings
         prompt_blocks = -(-3 // s.block_size)  # a 3-token prompt chunk; the decode row has block_size + 1 tokens
         if (self.num_blocks < 2 + prompt_blocks or s.max_num_seqs < 2 or s.max_num_batched_tokens < 4
