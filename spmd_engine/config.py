@@ -76,6 +76,10 @@ class EngineConfig:
     # Triton kernels with Programmatic Dependent Launch (kernels/pdl.py: the next kernel's launch overlaps the
     # previous one's tail; same bits); a silent no-op elsewhere
     cuda_pdl: bool = True
+    # CUDA: rank 0 draws a decode step whose rows are all plain-temperature or all greedy by replaying a
+    # CUDA graph of the sampler (executor/sampler_graphs.py: the same kernels and tokens, ~one launch of
+    # host work instead of several); every other step samples eagerly; a silent no-op on CPU / enforce_eager
+    sampler_graphs: bool = True
     seed: int = 0
     tensor_parallel_size: int | None = None  # ranks per replica; None: derived from the world size
     data_parallel_size: int | None = None  # replicas of tensor_parallel_size ranks each; None: derived

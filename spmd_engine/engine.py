@@ -218,7 +218,7 @@ class Engine:
         cfg = self.cfg
         settings = RunnerSettings(cfg.block_size, self.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                   cfg.enforce_eager, cfg.gpu_memory_utilization, cfg.cpu_kv_cache_gib,
-                                  cfg.num_kv_blocks, cfg.kv_cache_dtype, cfg.cuda_pdl)
+                                  cfg.num_kv_blocks, cfg.kv_cache_dtype, cfg.cuda_pdl, cfg.sampler_graphs)
         runner = ModelRunner(self.model, self.shape, settings, self.device, self.dtype, self.replica.tp_size,
                              self.replica)
         self.kv_capacity = KVCapacity(runner.num_blocks, cfg.block_size, runner.spec.bytes_per_block)
@@ -226,9 +226,9 @@ class Engine:
         self.faults = FaultInjector.from_config(cfg.fault, self.ranks.rank)
         self.faults.install(runner)  # test-only: a configured step fault wraps the runner's launch
         log.info("engine: block_size=%d max_model_len=%d max_num_seqs=%d max_num_batched_tokens=%d "
-                 "prefix_caching=%s cuda_graphs=%s cuda_pdl=%s device=%s", cfg.block_size, self.max_model_len,
-                 cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.enable_prefix_caching,
-                 runner.graphs is not None, runner.pdl, self.device)
+                 "prefix_caching=%s cuda_graphs=%s cuda_pdl=%s sampler_graphs=%s device=%s", cfg.block_size,
+                 self.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.enable_prefix_caching,
+                 runner.graphs is not None, runner.pdl, runner.sampler_graphs is not None, self.device)
         cap = self.kv_capacity.as_dict()
         log.info("KV cache: %d blocks, %d tokens, %.3f GiB per rank%s", cap["blocks"], cap["tokens"], cap["gib"],
                  f" ({runner.memory_budget.describe()})" if runner.memory_budget else "")
@@ -441,7 +441,8 @@ class _Generation:
         logits = self.llm.runner.launch(staged, loop.sampled.tokens if loop.sampled is not None else None)
         loop.timeline.mark(loop.steps, "forward_end")
         self.llm.step_progress.forward_issued()
-        loop.launched = _Launched(schedule, logits, loop.steps, self._queue_prompt_logprobs(schedule))
+        loop.launched = _Launched(schedule, logits, loop.steps, self._queue_prompt_logprobs(schedule),
+                                  self.llm.runner.sampler_graph_rows(staged))
 
     def _sample_in_flight(self, loop: _InFlight) -> None:
         """Queue sampling of the launched step, if any: it becomes the sampled step."""
@@ -506,7 +507,11 @@ class _Generation:
             apply_min_tokens(launched.logits, picked, self.scheduler.eos_token_ids)
             apply_penalties_and_min_p(launched.logits, picked)
         timeline.mark(launched.index, "sample_start")
-        tokens = self.sampler.sample_on_device(launched.logits, rows)
+        tokens = None
+        if launched.graph_rows is not None and not any(transformed):  # all greedy / all plain: one replay
+            tokens = self.llm.runner.sampler_graphs.sample(launched.graph_rows, rows)
+        if tokens is None:
+            tokens = self.sampler.sample_on_device(launched.logits, rows)
         timeline.mark(launched.index, "sample_end")
         pending = (wanted.rows, wanted.finish(tokens)) if wanted is not None else None
         return _Sampled(schedule, seqs, tokens, TokenReadback(tokens, self.readback_buffers), pending,
@@ -636,6 +641,8 @@ class _Launched:
     logits: torch.Tensor | None
     index: int  # step number within this generate call
     prompt_logprobs: "_PromptLogprobs | None" = None  # queued on the device (requests with prompt_logprobs)
+    # the decode graph whose static logits these are, for the sampler graphs (runner.sampler_graph_rows)
+    graph_rows: int | None = None
 
 
 @dataclass

@@ -123,9 +123,19 @@ class DecodeGraphs:
         self.num_replays += 1
         if captured.logits is None:
             return None
-        if len(host.logits_indices) == host.num_seqs:  # every row samples (a pure decode step)
+        if self.samples_every_row(host):
             return captured.logits[: host.num_seqs]
         return captured.logits.index_select(0, batch.logits_indices)
+
+    @staticmethod
+    def samples_every_row(host: HostBatch) -> bool:
+        """Every row samples (a pure decode step): `replay`'s logits are then the first num_seqs rows
+        of the graph's static output (what the sampler graphs read), else a gathered copy."""
+        return len(host.logits_indices) == host.num_seqs
+
+    def static_logits(self) -> dict[int, torch.Tensor]:
+        """rows -> the static logits output [rows, vocab] of each graph (tp rank 0; empty elsewhere)."""
+        return {n: captured.logits for n, captured in self.graphs.items() if captured.logits is not None}
 
     def close(self) -> None:
         """Drop every graph and its pool (before destroy_process_group: NCCL hangs otherwise)."""

@@ -18,6 +18,7 @@ from spmd_engine.distributed import Replica, all_reduce_min, broadcast_tensor, i
 from spmd_engine.executor.cuda_graphs import PDL_MAX_ROWS, DecodeGraphs, graph_batch_sizes
 from spmd_engine.executor.forward_batch import ForwardBatch, HostBatch, build_host_batch, to_device
 from spmd_engine.executor.input_buffers import InputBuffers
+from spmd_engine.executor.sampler_graphs import SamplerGraphs, sampler_graph_bytes
 from spmd_engine.executor.piecewise_graphs import CudaGraphCapture, PiecewiseGraphs, piecewise_token_buckets
 from spmd_engine.executor.kv_cache import (FP8_CALIBRATION_TOKENS, CudaMemoryBudget, KVCacheSpec, allocate_kv_cache,
                                   bind_kv_scales, blocks_for_bytes, calibrate_fp8_kv_scales, planned_num_blocks)
@@ -40,6 +41,7 @@ class RunnerSettings:
     num_kv_blocks: int | None
     kv_cache_dtype: str = "auto"  # auto (the model dtype) | fp8 (float8_e4m3fn, calibrated per-head scales)
     cuda_pdl: bool = True  # small decode graphs launch their Triton kernels with PDL where it runs (kernels/pdl.py)
+    sampler_graphs: bool = True  # rank 0 samples all-greedy / all-plain decode steps from CUDA graphs (sampler_graphs.py)
 
 
 @dataclass
@@ -101,12 +103,16 @@ class ModelRunner:
         self.last_prompt_logits: torch.Tensor | None = None
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None  # mixed and prefill steps
+        self.sampler_graphs: SamplerGraphs | None = None  # the sampling rank's draws of decode steps
         # a pool smaller than one sequence is refused by the engine right after this; capture nothing
         if self.use_graphs and self.num_blocks * settings.block_size >= settings.max_model_len:
             pool = torch.cuda.graph_pool_handle()  # one pool: the decode graphs' logits first, then the pieces
             self.graphs = DecodeGraphs.capture(model, self.inputs, settings.max_num_seqs, pool,
                                                PDL_MAX_ROWS if settings.cuda_pdl else 0)
             self.pdl = settings.cuda_pdl and pdl_supported(device)
+            static_logits = self.graphs.static_logits()  # empty on the ranks that do not sample
+            if settings.sampler_graphs and static_logits:
+                self.sampler_graphs = SamplerGraphs.capture(static_logits, pool)
             self.piecewise = PiecewiseGraphs.capture(model, self.inputs, settings.max_num_seqs,
                                                      piecewise_token_buckets(settings.max_num_batched_tokens),
                                                      CudaGraphCapture(pool))
@@ -139,6 +145,8 @@ class ModelRunner:
             graph_pool = max(decode_pool, activation_peak) + self._piecewise_static_bytes(s.max_num_batched_tokens)
             # every decode graph keeps its own float32 logits output alive in the pool
             graph_pool += sum(graph_batch_sizes(s.max_num_seqs)) * self.shape.vocab_size * 4
+            if s.sampler_graphs:  # their keys, tokens and race temporaries (counted on every rank: tiny)
+                graph_pool += sampler_graph_bytes(graph_batch_sizes(s.max_num_seqs), self.shape.vocab_size)
         sampler_peak = self._peak_of(self._warmup_sampler)
         gc.collect()
         torch.cuda.empty_cache()
@@ -256,6 +264,14 @@ class ModelRunner:
             return None
         return self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
 
+    def sampler_graph_rows(self, staged: StagedStep) -> int | None:
+        """The decode graph size whose static logits hold a launched step's sampled rows (the first
+        num_seqs rows: a pure decode step replayed from a graph) when the sampler graphs can draw it;
+        None: the logits are no static output, or there are no sampler graphs (sample eagerly)."""
+        if self.sampler_graphs is None or staged.graph_rows is None:
+            return None
+        return staged.graph_rows if DecodeGraphs.samples_every_row(staged.host) else None
+
     def _logits_with_prompt_rows(self, hidden: torch.Tensor, sample_rows: torch.Tensor, staged: StagedStep
                                  ) -> torch.Tensor | None:
         """Sampled rows' logits (returned) and the prompt rows' (kept in last_prompt_logits on rank 0);
@@ -295,6 +311,9 @@ class ModelRunner:
 
     def close(self) -> None:
         """Free CUDA graphs before the process group goes (NCCL hangs on destroy otherwise)."""
+        if self.sampler_graphs is not None:
+            self.sampler_graphs.close()
+            self.sampler_graphs = None
         if self.piecewise is not None:
             self.piecewise.close()
             self.piecewise = None

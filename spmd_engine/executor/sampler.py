@@ -188,14 +188,22 @@ class _KeyStaging:
         self._host: torch.Tensor | None = None
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
 
-    def put(self, packed: np.ndarray) -> torch.Tensor:
-        if self._copied is None:
-            return torch.from_numpy(packed).to(self.device)
+    def put(self, packed: np.ndarray, into: torch.Tensor | None = None) -> torch.Tensor:
+        """`packed` (int64 [n]) on the device: a new tensor, or copied into `into` (an int64 [n] device
+        tensor, e.g. a CUDA graph's static key buffer) and returned."""
         n = packed.shape[0]
+        if into is not None and (into.dtype != torch.int64 or into.shape != (n,)):
+            raise ValueError(f"key staging: into must be int64 [{n}], got {into.dtype} {tuple(into.shape)}")
+        if self._copied is None:
+            keys = torch.from_numpy(packed)
+            return keys.to(self.device) if into is None else into.copy_(keys)
         if self._host is None or self._host.shape[0] < n or not self._copied.query():
             self._host = torch.empty(max(n, 1024), dtype=torch.int64, pin_memory=True)
         self._host[:n].numpy()[:] = packed
-        keys = self._host[:n].to(self.device, non_blocking=True)
+        if into is None:
+            keys = self._host[:n].to(self.device, non_blocking=True)
+        else:
+            keys = into.copy_(self._host[:n], non_blocking=True)
         self._copied.record()
         return keys
 
@@ -226,8 +234,10 @@ class Sampler:
         n = len(batch)
         if n and (codes == codes[0]).all():  # the common case: one kind, no row selection
             if codes[0] == _GREEDY:
-                return logits.argmax(dim=-1)
+                return sample_uniform("greedy", logits, None, None, None)
             keys = self._keys(batch, [None])[0]
+            if codes[0] == _PLAIN:  # what the sampler graphs (executor/sampler_graphs.py) replay
+                return sample_uniform("plain", logits, keys.temperatures, keys.seeds, keys.counters)
             return self._sample_group(PATHS[codes[0]], logits.float(), batch, keys)
         kinds = [k for k in range(_TOP_K, len(PATHS)) if (codes == k).any()]
         out = logits.argmax(dim=-1)
@@ -249,9 +259,8 @@ class Sampler:
     def _sample_group(kind: str, logits: torch.Tensor, batch: SamplingBatch, keys: _GroupKeys) -> torch.Tensor:
         dev = logits.device
         seeds, counters, temps = keys.seeds, keys.counters, keys.temperatures
-        if kind == "plain" and dev.type == "cuda":  # fused: the noise never leaves the registers
-            from spmd_engine.kernels.sampling_noise import gumbel_race
-            return gumbel_race(logits, temps, seeds, counters)
+        if kind == "plain":
+            return _sample_plain(logits, temps, seeds, counters)
         if kind == "top_p" and dev.type == "cuda":  # one program per row: rejection and fallback on the GPU
             from spmd_engine.kernels.sampling_noise import nucleus_sample
             return nucleus_sample(logits.contiguous(), temps, keys.top_p, seeds, counters, NUCLEUS_ROUNDS)
@@ -259,11 +268,48 @@ class Sampler:
             return _sample_top_k(logits, temps, batch.top_k.tolist(), batch.top_p.tolist(), seeds, counters)
         z = logits / temps[:, None]  # a true division: CUDA divides by a scalar as a multiply by the
         # reciprocal, which would round otherwise than another batch's per-row division
-        if kind == "plain":
-            return _race(z, seeds, counters, 0)
         if kind == "top_k_sort":
             return _race(_apply_top_k_top_p(z, batch.top_k.tolist(), batch.top_p.tolist()), seeds, counters, 0)
         return _sample_nucleus(z, keys.top_p, seeds, counters)
+
+
+# the paths a whole batch can take with one fixed sequence of launches (no row selection): the sampler
+# graphs' kinds (executor/sampler_graphs.py)
+UNIFORM_KINDS = ("greedy", "plain")
+
+
+def uniform_kind(batch: SamplingBatch) -> str | None:
+    """"greedy" or "plain" when every row of the batch takes that path, else None (top-k, top-p or a
+    mix of paths: the sampler's eager grouping)."""
+    codes = batch.paths()
+    if not len(codes) or not (codes == codes[0]).all():
+        return None
+    return {_GREEDY: "greedy", _PLAIN: "plain"}.get(int(codes[0]))
+
+
+def sample_uniform(kind: str, logits: torch.Tensor, temperatures: torch.Tensor | None, seeds: torch.Tensor | None,
+                   counters: torch.Tensor | None) -> torch.Tensor:
+    """The draw of a batch whose rows all take path `kind` ("greedy": argmax; "plain": the race over
+    logits / T with round-0 noise): logits [N, V] and keys [N] on one device -> tokens [N] int64.
+    Why one function: the eager sampler and the sampler graphs (which capture it) run the same
+    launches on the same inputs, so a row's token does not depend on which of them drew it."""
+    if kind == "greedy":
+        return logits.argmax(dim=-1)
+    if kind != "plain":
+        raise ValueError(f"sample_uniform: kind must be one of {UNIFORM_KINDS}, got {kind!r}")
+    return _sample_plain(logits.float(), temperatures, seeds, counters)
+
+
+def _sample_plain(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor
+                  ) -> torch.Tensor:
+    """Plain temperature sampling: the fused race on CUDA (the noise never leaves the registers), the
+    race over z = logits / T elsewhere (the same tokens)."""
+    if logits.device.type == "cuda":
+        from spmd_engine.kernels.sampling_noise import gumbel_race
+        return gumbel_race(logits, temps, seeds, counters)
+    # a true division: CUDA divides by a scalar as a multiply by the reciprocal, which would round
+    # otherwise than another batch's per-row division
+    return _race(logits / temps[:, None], seeds, counters, 0)
 
 
 def path_of(row: SamplingRow) -> str:

@@ -175,6 +175,16 @@ def test_cuda_pdl_is_on_by_default_and_takes_only_a_boolean():
         engine_config_from_dict(base(cuda_pdl="fast"))
 
 
+def test_sampler_graphs_is_on_by_default_and_takes_only_a_boolean():
+    from spmd_engine.llm import compose_config
+
+    assert engine_config_from_dict(base()).sampler_graphs is True
+    assert compose_config("smollm2", {})["sampler_graphs"] is True
+    assert engine_config_from_dict(base(sampler_graphs=False)).sampler_graphs is False
+    with pytest.raises(ConfigError, match="sampler_graphs"):
+        engine_config_from_dict(base(sampler_graphs="yes"))
+
+
 def test_tp_allreduce_defaults_to_nccl_in_code_and_the_composed_config():
     from spmd_engine.llm import compose_config
 

@@ -1,0 +1,196 @@
+"""SamplerGraphs: rank 0 samples a decode step by replaying a CUDA graph (uniform batches only).
+
+Why: at batch 1 the host step is as long as the GPU step, and sampling is its largest phase: the
+eager sampler packs and copies the keys, then launches the race kernel, an argmax and a gather, each
+launch tens of microseconds of Python while the GPU waits between the decode graph and the next
+step. A batch whose rows all take one of the sampler's fixed-launch paths ("greedy": argmax;
+"plain": the fused temperature race, `sampler.UNIFORM_KINDS`) is drawn here instead: one graph per
+(decode graph size, kind), captured over that decode graph's static logits, a static key buffer and
+a static token output; a step packs its keys once, copies them in one non-blocking host-to-device
+copy (`sampler._KeyStaging`, the host never waits) and replays.
+
+Same bits as the eager path: both run `sampler.sample_uniform` (the same kernels) on the same
+logits and keys; a graph of `rows` rows also draws the decode graph's padding rows (with valid keys:
+seed 0, counter 0, temperature 1), whose tokens nobody reads, and every launch treats rows apart, so
+a row's token still depends on its own logits, seed, counter and temperature only. Every other step
+(top-k, top-p, mixed paths, rows with logits processors or logprobs, steps not replayed from a
+decode graph, or not sampling every row) keeps the eager sampler. Engine key `sampler_graphs`.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from spmd_engine.executor.sampler import UNIFORM_KINDS, SamplingBatch, _KeyStaging, sample_uniform, uniform_kind
+
+log = logging.getLogger(__name__)
+
+_ALIGN_ROWS = 4  # each key section starts 32-byte aligned (Triton specialises pointers on 16-byte alignment)
+PAD_SEED, PAD_COUNTER, PAD_TEMPERATURE = 0, 0, 1.0  # the keys of padding rows (any valid keys would do)
+_BLOCK_BYTES = 512  # the CUDA caching allocator rounds every block up to this
+_SMALL_SEGMENT_BYTES = 2 << 20  # blocks under 1 MiB come from 2 MiB segments (one more in the graph pool)
+
+
+def _aligned(rows: int) -> int:
+    return -(-rows // _ALIGN_ROWS) * _ALIGN_ROWS
+
+
+def pack_keys(batch: SamplingBatch, rows: int) -> np.ndarray:
+    """A graph of `rows` rows' keys as one int64 array [3 * rows4] (rows4: rows rounded up to 4): the
+    seeds, the counters, then the float32 temperatures (two per word); rows past the batch are
+    padding (PAD_SEED, PAD_COUNTER, PAD_TEMPERATURE)."""
+    n = len(batch)
+    if not 0 < n <= rows:
+        raise ValueError(f"pack_keys: a batch of {n} rows does not fit a {rows}-row graph")
+    r4 = _aligned(rows)
+    buf = np.zeros(3 * r4, dtype=np.int64)
+    buf[:n] = batch.seeds
+    buf[n:rows] = PAD_SEED
+    buf[r4:r4 + n] = batch.counters
+    buf[r4 + n:r4 + rows] = PAD_COUNTER
+    temps = buf[2 * r4:].view(np.float32)
+    temps[:n] = batch.temperatures  # float64 -> float32 rounds to nearest, as the eager packing does
+    temps[n:rows] = PAD_TEMPERATURE
+    return buf
+
+
+@dataclass
+class KeyViews:
+    """A graph's views of the static key buffer (the layout of `pack_keys` for its row count)."""
+
+    packed: torch.Tensor  # int64 [3 * rows4]: what one step's copy fills
+    seeds: torch.Tensor  # int64 [rows]
+    counters: torch.Tensor  # int64 [rows]
+    temperatures: torch.Tensor  # float32 [rows]
+
+    @classmethod
+    def of(cls, keys: torch.Tensor, rows: int) -> "KeyViews":
+        r4 = _aligned(rows)
+        packed = keys[:3 * r4]
+        return cls(packed, packed[:rows], packed[r4:r4 + rows], packed[2 * r4:].view(torch.float32)[:rows])
+
+
+@dataclass
+class _SamplerGraph:
+    """One (rows, kind): its graph (None: run eagerly, see `SamplerGraphs.eager`) over static tensors."""
+
+    kind: str
+    logits: torch.Tensor  # [rows, vocab]: the decode graph's static output
+    keys: KeyViews
+    tokens: torch.Tensor  # [rows] int64: the static output
+    graph: torch.cuda.CUDAGraph | None
+
+    def draw(self) -> torch.Tensor:
+        return sample_uniform(self.kind, self.logits, self.keys.temperatures, self.keys.seeds, self.keys.counters)
+
+    def run(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.tokens.copy_(self.draw())
+
+
+class SamplerGraphs:
+    """The sampler graphs of one rank (the one that samples), keyed by (decode graph rows, kind)."""
+
+    def __init__(self, keys: torch.Tensor, graphs: dict[tuple[int, str], _SamplerGraph]) -> None:
+        self.keys = keys  # int64 [3 * rows4 of the largest graph]: every graph's key views start at 0
+        self.graphs = graphs
+        self.sizes = sorted({rows for rows, _ in graphs})
+        self._staging = _KeyStaging(keys.device)
+        self.num_replays = 0
+
+    @staticmethod
+    def _static_keys(max_rows: int, device: torch.device) -> torch.Tensor:
+        keys = torch.zeros(3 * _aligned(max_rows), dtype=torch.int64, device=device)
+        KeyViews.of(keys, max_rows).temperatures.fill_(PAD_TEMPERATURE)  # valid keys for the warm-up runs
+        return keys
+
+    @classmethod
+    @torch.inference_mode()
+    def capture(cls, logits_by_rows: dict[int, torch.Tensor], pool=None) -> "SamplerGraphs":
+        """Capture both kinds for every decode graph size (`logits_by_rows`: rows -> that graph's static
+        logits [rows, vocab] on this device), largest first, into `pool` (the decode graphs', so the
+        temporaries share its memory; None: a new pool). Each draw runs once eagerly on a side stream
+        first (Triton compiles the race kernel outside the capture)."""
+        started = time.perf_counter()
+        device = next(iter(logits_by_rows.values())).device
+        keys = cls._static_keys(max(logits_by_rows), device)
+        pool = torch.cuda.graph_pool_handle() if pool is None else pool
+        side = torch.cuda.Stream()
+        graphs: dict[tuple[int, str], _SamplerGraph] = {}
+        for rows in sorted(logits_by_rows, reverse=True):
+            logits = logits_by_rows[rows]
+            for kind in UNIFORM_KINDS:
+                entry = _SamplerGraph(kind, logits, KeyViews.of(keys, rows), logits.new_empty(0), None)
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    entry.draw()
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                    entry.tokens = entry.draw()
+                entry.graph = graph
+                graphs[(rows, kind)] = entry
+        torch.cuda.synchronize()
+        log.info("CUDA graphs: sampler (greedy, plain) for %d decode batch sizes captured in %.2f s",
+                 len(logits_by_rows), time.perf_counter() - started)
+        return cls(keys, graphs)
+
+    @classmethod
+    def eager(cls, logits_by_rows: dict[int, torch.Tensor]) -> "SamplerGraphs":
+        """The same static buffers and steps with each draw run eagerly instead of replayed: what the
+        host side does, on any device (the CPU tests)."""
+        device = next(iter(logits_by_rows.values())).device
+        keys = cls._static_keys(max(logits_by_rows), device)
+        graphs = {(rows, kind): _SamplerGraph(kind, logits, KeyViews.of(keys, rows),
+                                              torch.zeros(rows, dtype=torch.int64, device=device), None)
+                  for rows, logits in logits_by_rows.items() for kind in UNIFORM_KINDS}
+        return cls(keys, graphs)
+
+    def sample(self, rows: int, batch: SamplingBatch) -> torch.Tensor | None:
+        """Tokens [len(batch)] of a step whose logits are the first len(batch) rows of decode graph
+        `rows`'s static output, drawn by the (rows, kind) graph; None (nothing queued) when the batch is
+        not uniform or no graph holds it: the caller samples eagerly. The tokens are a view of the
+        graph's static output, valid until its next replay (the step loop reads them back and feeds them
+        to the next step before it samples again)."""
+        kind = uniform_kind(batch)
+        entry = self.graphs.get((rows, kind)) if kind is not None else None
+        if entry is None or not 0 < len(batch) <= rows:
+            return None
+        if kind != "greedy":  # argmax reads no keys
+            self._staging.put(pack_keys(batch, rows), into=entry.keys.packed)
+        entry.run()
+        self.num_replays += 1
+        return entry.tokens[:len(batch)]
+
+    def close(self) -> None:
+        for entry in self.graphs.values():
+            if entry.graph is not None:
+                entry.graph.reset()
+        self.graphs.clear()
+        self.sizes = []
+
+
+def sampler_graph_bytes(sizes: list[int], vocab: int) -> int:
+    """An upper bound of the memory the sampler graphs keep on the sampling rank: the static keys
+    (outside the pool), and in the graph pool every block each capture allocates (the race's per-chunk
+    scores float32 and columns int64, its argmax and token outputs, the greedy argmax), each rounded
+    to the allocator's block, as if none were reused, plus one small-block segment."""
+    from spmd_engine.kernels.sampling_noise import RACE_CHUNK  # CUDA only: Triton is there
+
+    def block(nbytes: int) -> int:
+        return -(-nbytes // _BLOCK_BYTES) * _BLOCK_BYTES
+
+    if not sizes:
+        return 0
+    chunks = -(-vocab // RACE_CHUNK)
+    total = block(3 * _aligned(max(sizes)) * 8)
+    for rows in sizes:
+        total += block(rows * chunks * 4) + block(rows * chunks * 8) + 2 * block(rows * 8)  # plain race
+        total += block(rows * 8)  # greedy argmax
+    return total + _SMALL_SEGMENT_BYTES
