@@ -142,6 +142,7 @@ class SamplerGraphs:
         return cls(keys, graphs)
 
     @classmethod
+    @torch.inference_mode()
     def eager(cls, logits_by_rows: dict[int, torch.Tensor]) -> "SamplerGraphs":
         """The same static buffers and steps with each draw run eagerly instead of replayed: what the
         host side does, on any device (the CPU tests)."""
@@ -152,6 +153,7 @@ class SamplerGraphs:
                   for rows, logits in logits_by_rows.items() for kind in UNIFORM_KINDS}
         return cls(keys, graphs)
 
+    @torch.inference_mode()  # the static buffers are inference tensors (made in inference mode)
     def sample(self, rows: int, batch: SamplingBatch) -> torch.Tensor | None:
         """Tokens [len(batch)] of a step whose logits are the first len(batch) rows of decode graph
         `rows`'s static output, drawn by the (rows, kind) graph; None (nothing queued) when the batch is
@@ -180,7 +182,8 @@ def sampler_graph_bytes(sizes: list[int], vocab: int) -> int:
     """An upper bound of the memory the sampler graphs keep on the sampling rank: the static keys
     (outside the pool), and in the graph pool every block each capture allocates (the race's per-chunk
     scores float32 and columns int64, its argmax and token outputs, the greedy argmax), each rounded
-    to the allocator's block, as if none were reused, plus one small-block segment."""
+    to the allocator's block, as if none were reused, plus one small-block segment in each of the graph
+    pool and the ordinary pool (where the keys and the warm-up draws' temporaries go)."""
     from spmd_engine.kernels.sampling_noise import RACE_CHUNK  # CUDA only: Triton is there
 
     def block(nbytes: int) -> int:
@@ -193,4 +196,4 @@ def sampler_graph_bytes(sizes: list[int], vocab: int) -> int:
     for rows in sizes:
         total += block(rows * chunks * 4) + block(rows * chunks * 8) + 2 * block(rows * 8)  # plain race
         total += block(rows * 8)  # greedy argmax
-    return total + _SMALL_SEGMENT_BYTES
+    return total + 2 * _SMALL_SEGMENT_BYTES

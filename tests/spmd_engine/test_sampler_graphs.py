@@ -131,6 +131,19 @@ def test_key_staging_copies_into_a_given_buffer_of_its_size_only():
     assert staging.put(packed).tolist() == list(range(6))  # no destination: a new tensor, as before
 
 
+def test_the_memory_budget_counts_every_graphs_race_temporaries_and_tokens():
+    from spmd_engine.executor.sampler_graphs import sampler_graph_bytes
+    from spmd_engine.kernels.sampling_noise import RACE_CHUNK
+
+    vocab, sizes = 151936, [1, 2, 4, 8, 16, 32]
+    chunks = -(-vocab // RACE_CHUNK)
+    race = sum(rows * chunks * (4 + 8) for rows in sizes)  # per-chunk scores float32 and columns int64
+    tokens = sum(3 * rows * 8 for rows in sizes)  # the race's argmax and tokens, the greedy argmax
+    assert sampler_graph_bytes(sizes, vocab) >= race + tokens + 3 * 32 * 8
+    assert sampler_graph_bytes(sizes + [256], vocab) - sampler_graph_bytes(sizes, vocab) >= 256 * chunks * 12
+    assert sampler_graph_bytes([], vocab) == 0
+
+
 # --- the engine's routing, with the decode graphs' static logits emulated on CPU --------------------------
 SINGLE = RankInfo(0, 1, 0, "127.0.0.1", 0, "single")
 PROMPTS = [[5, 6, 7], list(range(40, 65)), [9] * 10 + [11], list(range(20, 45)), [3, 4]]
