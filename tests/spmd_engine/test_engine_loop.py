@@ -72,6 +72,9 @@ class FakeRunner:
     def apply_stop(self, plan: StepPlan) -> None:
         self.mirror.apply(plan)
 
+    def sampler_graph_rows(self, staged: FakeStaged) -> int | None:
+        return None  # no sampler graphs (as on CPU): every step samples eagerly
+
     def launch(self, staged: FakeStaged, prev_tokens: torch.Tensor | None) -> torch.Tensor | None:
         plan = staged.plan
         if plan.num_prev_sampled:
