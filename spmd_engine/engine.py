@@ -350,6 +350,7 @@ class _Generation:
         self.fed = 0  # requests pulled so far: the next one's seq_id
         self.fed_all = False
         self.cached_tokens = 0
+        self.sampler_graph_steps = 0  # steps sampled by replaying a sampler graph (runner.sampler_graphs)
 
     def _admit(self, seq_id: int, req: PromptRequest) -> None:
         out = RequestOutput(req.index, req.prompt, req.prompt_token_ids, None, [], "error", req.error,
@@ -462,7 +463,8 @@ class _Generation:
         preemptions = self.scheduler.num_preemptions - self.preemptions_before
         self.summary = {"steps": loop.steps, "decode_steps": loop.decode_steps,
                         "async_scheduling": llm.cfg.async_scheduling, "preemptions": preemptions,
-                        "cached_prompt_tokens": cached, "step_timing": loop.timer.summary()}
+                        "cached_prompt_tokens": cached, "sampler_graph_steps": self.sampler_graph_steps,
+                        "step_timing": loop.timer.summary()}
         log.info("generate: %d steps (%d decode), %d preemptions, %d prompt tokens from the prefix cache",
                  loop.steps, loop.decode_steps, preemptions, cached)
 
@@ -510,6 +512,7 @@ class _Generation:
         tokens = None
         if launched.graph_rows is not None and not any(transformed):  # all greedy / all plain: one replay
             tokens = self.llm.runner.sampler_graphs.sample(launched.graph_rows, rows)
+            self.sampler_graph_steps += tokens is not None
         if tokens is None:
             tokens = self.sampler.sample_on_device(launched.logits, rows)
         timeline.mark(launched.index, "sample_end")

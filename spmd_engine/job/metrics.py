@@ -129,7 +129,7 @@ def write_metrics(path: Path, metrics: dict) -> None:
     Path(path).write_text(json.dumps(metrics, indent=2, default=str) + "\n", encoding="utf-8")
 
 
-SUMMED_ENGINE_KEYS = ("steps", "decode_steps", "preemptions", "cached_prompt_tokens")
+SUMMED_ENGINE_KEYS = ("steps", "decode_steps", "preemptions", "cached_prompt_tokens", "sampler_graph_steps")
 
 
 def replicas_engine(runs: list[dict]) -> dict:

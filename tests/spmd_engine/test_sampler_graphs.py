@@ -200,6 +200,7 @@ def test_engine_samples_uniform_decode_steps_from_the_graphs_with_the_same_token
     graphed = make_llm(checkpoint, emulate_graphs=True)
     for prompts in (PROMPTS, PROMPTS[:3], PROMPTS[1:2]):
         assert run(graphed, prompts, **params) == run(plain, prompts, **params)
+        assert graphed.last_run["sampler_graph_steps"] > 0 and plain.last_run["sampler_graph_steps"] == 0
     assert graphed.runner.sampler_graphs.num_replays > 0
 
 
@@ -211,4 +212,4 @@ def test_engine_samples_other_steps_eagerly(checkpoint, params):
     plain = make_llm(checkpoint, emulate_graphs=False)
     graphed = make_llm(checkpoint, emulate_graphs=True)
     assert run(graphed, PROMPTS, seed=5, **params) == run(plain, PROMPTS, seed=5, **params)
-    assert graphed.runner.sampler_graphs.num_replays == 0
+    assert graphed.runner.sampler_graphs.num_replays == 0 and graphed.last_run["sampler_graph_steps"] == 0
