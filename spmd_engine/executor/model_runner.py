@@ -111,8 +111,8 @@ class ModelRunner:
                                                PDL_MAX_ROWS if settings.cuda_pdl else 0)
             self.pdl = settings.cuda_pdl and pdl_supported(device)
             static_logits = self.graphs.static_logits()  # empty on the ranks that do not sample
-            if settings.sampler_graphs and static_logits:
-                self.sampler_graphs = SamplerGraphs.capture(static_logits, pool)
+            if settings.sampler_graphs and static_logits:  # their own pool: see SamplerGraphs.capture
+                self.sampler_graphs = SamplerGraphs.capture(static_logits)
             self.piecewise = PiecewiseGraphs.capture(model, self.inputs, settings.max_num_seqs,
                                                      piecewise_token_buckets(settings.max_num_batched_tokens),
                                                      CudaGraphCapture(pool))

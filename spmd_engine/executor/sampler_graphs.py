@@ -15,6 +15,9 @@ seed 0, counter 0, temperature 1), whose tokens nobody reads, and every launch t
 a row's token still depends on its own logits, seed, counter and temperature only. Every other step
 (top-k, top-p, mixed paths, rows with logits processors or logprobs, steps not replayed from a
 decode graph, or not sampling every row) keeps the eager sampler. Engine key `sampler_graphs`.
+
+The tokens a replay returns are its static output: valid until the next sampler replay, which the step
+loop queues only after the next step's forward has taken them (deferred inputs) and their readback.
 """
 from __future__ import annotations
 
@@ -32,7 +35,9 @@ log = logging.getLogger(__name__)
 _ALIGN_ROWS = 4  # each key section starts 32-byte aligned (Triton specialises pointers on 16-byte alignment)
 PAD_SEED, PAD_COUNTER, PAD_TEMPERATURE = 0, 0, 1.0  # the keys of padding rows (any valid keys would do)
 _BLOCK_BYTES = 512  # the CUDA caching allocator rounds every block up to this
-_SMALL_SEGMENT_BYTES = 2 << 20  # blocks under 1 MiB come from 2 MiB segments (one more in the graph pool)
+_SMALL_SEGMENT_BYTES = 2 << 20  # blocks under 1 MiB come from 2 MiB segments
+_LARGE_BLOCK_BYTES = 1 << 20  # larger blocks are rounded to 2 MiB and come from 20 MiB segments (under 10 MiB)
+_LARGE_ROUND_BYTES, _LARGE_SEGMENT_BYTES = 2 << 20, 20 << 20
 
 
 def _aligned(rows: int) -> int:
@@ -114,9 +119,15 @@ class SamplerGraphs:
     @torch.inference_mode()
     def capture(cls, logits_by_rows: dict[int, torch.Tensor], pool=None) -> "SamplerGraphs":
         """Capture both kinds for every decode graph size (`logits_by_rows`: rows -> that graph's static
-        logits [rows, vocab] on this device), largest first, into `pool` (the decode graphs', so the
-        temporaries share its memory; None: a new pool). Each draw runs once eagerly on a side stream
-        first (Triton compiles the race kernel outside the capture)."""
+        logits [rows, vocab] on this device), largest first, into `pool` (None: a new one, what the
+        runner uses). Each draw runs once eagerly on a side stream first (Triton compiles the race
+        kernel outside the capture).
+
+        Why not the decode graphs' pool: there a token output could lie in a decode graph's temporaries,
+        and step N's tokens would then be safe only because every reader (the readback, the next step's
+        deferred inputs) is queued before step N+1's forward replays; in a pool of their own (a few KiB
+        of blocks, one small segment, counted by `sampler_graph_bytes`) only another sampler replay,
+        which comes after the next forward, can overwrite them."""
         started = time.perf_counter()
         device = next(iter(logits_by_rows.values())).device
         keys = cls._static_keys(max(logits_by_rows), device)
@@ -180,20 +191,23 @@ class SamplerGraphs:
 
 def sampler_graph_bytes(sizes: list[int], vocab: int) -> int:
     """An upper bound of the memory the sampler graphs keep on the sampling rank: the static keys
-    (outside the pool), and in the graph pool every block each capture allocates (the race's per-chunk
-    scores float32 and columns int64, its argmax and token outputs, the greedy argmax), each rounded
-    to the allocator's block, as if none were reused, plus one small-block segment in each of the graph
-    pool and the ordinary pool (where the keys and the warm-up draws' temporaries go)."""
+    (outside their pool), and in their pool every block each capture allocates (the race's per-chunk
+    scores float32 and columns int64, its argmax and token outputs, the greedy argmax) as if none were
+    reused, each rounded as the CUDA caching allocator rounds it, plus the segments those blocks open:
+    a 2 MiB small-block segment in each of their pool and the ordinary pool (the keys, the warm-up
+    draws' temporaries) and, once a block reaches 1 MiB (thousands of rows), a 20 MiB large one."""
     from spmd_engine.kernels.sampling_noise import RACE_CHUNK  # CUDA only: Triton is there
 
     def block(nbytes: int) -> int:
-        return -(-nbytes // _BLOCK_BYTES) * _BLOCK_BYTES
+        step = _BLOCK_BYTES if nbytes < _LARGE_BLOCK_BYTES else _LARGE_ROUND_BYTES
+        return -(-nbytes // step) * step
 
     if not sizes:
         return 0
     chunks = -(-vocab // RACE_CHUNK)
-    total = block(3 * _aligned(max(sizes)) * 8)
+    blocks = [block(3 * _aligned(max(sizes)) * 8)]
     for rows in sizes:
-        total += block(rows * chunks * 4) + block(rows * chunks * 8) + 2 * block(rows * 8)  # plain race
-        total += block(rows * 8)  # greedy argmax
-    return total + 2 * _SMALL_SEGMENT_BYTES
+        blocks += [block(rows * chunks * 4), block(rows * chunks * 8), block(rows * 8), block(rows * 8)]  # plain
+        blocks.append(block(rows * 8))  # greedy argmax
+    large = any(b >= _LARGE_BLOCK_BYTES for b in blocks)
+    return sum(blocks) + 2 * _SMALL_SEGMENT_BYTES + (_LARGE_SEGMENT_BYTES if large else 0)

@@ -142,6 +142,8 @@ def test_the_memory_budget_counts_every_graphs_race_temporaries_and_tokens():
     assert sampler_graph_bytes(sizes, vocab) >= race + tokens + 3 * 32 * 8
     assert sampler_graph_bytes(sizes + [256], vocab) - sampler_graph_bytes(sizes, vocab) >= 256 * chunks * 12
     assert sampler_graph_bytes([], vocab) == 0
+    # thousands of rows: the race's columns pass 1 MiB, a large block in a 20 MiB segment
+    assert sampler_graph_bytes([4096], vocab) >= 4096 * chunks * 12 + (20 << 20)
 
 
 # --- the engine's routing, with the decode graphs' static logits emulated on CPU --------------------------
