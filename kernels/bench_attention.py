@@ -98,7 +98,8 @@ def bench_decode(batch: int, context: int, block_size: int, config: DecodeConfig
     io_bytes = 2 * q.numel() * q.element_size() + tables.numel() * 4
     cfg = config or default_decode_config(HEAD_DIM, q.device)
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    splits = decode_num_splits(batch, NUM_KV_HEADS, tables.shape[1], block_size, cfg.programs_per_sm * sms)
+    splits = decode_num_splits(batch, NUM_KV_HEADS, tables.shape[1], block_size, cfg.programs_per_sm * sms,
+                               cfg.min_tokens_per_split)
     return ms, (kv_bytes + io_bytes) / ms / 1e6, err, splits
 
 
@@ -116,7 +117,8 @@ def bench_decode_merge(batch: int, context: int, block_size: int) -> tuple[float
         times[fused] = triton.testing.do_bench_cudagraph(run, rep=100, return_mode="median") * 1e3
     cfg = default_decode_config(HEAD_DIM, q.device)
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    splits = decode_num_splits(batch, NUM_KV_HEADS, tables.shape[1], block_size, cfg.programs_per_sm * sms)
+    splits = decode_num_splits(batch, NUM_KV_HEADS, tables.shape[1], block_size, cfg.programs_per_sm * sms,
+                               cfg.min_tokens_per_split)
     return times[False], times[True], torch.equal(outs[False], outs[True]), splits
 
 

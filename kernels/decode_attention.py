@@ -30,7 +30,10 @@ from spmd_engine.kernels.paged_kv_tile import fp8_dot_in_f16, fp8_dot_operand, p
 from spmd_engine.kernels.pdl import pdl_launch, pdl_prologue
 
 _LOG2_E = 1.4426950408889634
-MIN_TOKENS_PER_SPLIT = 128  # below this a split's launch/merge cost outweighs the extra parallelism
+# Below this a split's merge costs more than its extra parallelism. H200, batch 1, a 4k-wide table in a graph of
+# 28 layers (session 7): 256 gives 16 splits, 7.1 / 11.2 / 14.6 us per layer at context 650 / 2000 / 4000,
+# where 128 (32 splits) gave 8.0 / 12.8 / 18.0.
+MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
 # Splits merged by the last-arriving split program (True) or by a second launch (False); same bits.
 # The arrival counters are one int32 per (sequence, KV head) per device, shared by every call: decode
@@ -47,6 +50,7 @@ class DecodeConfig:
     num_warps: int
     num_stages: int
     programs_per_sm: int  # target resident programs per SM when choosing the split count
+    min_tokens_per_split: int = MIN_TOKENS_PER_SPLIT  # table positions per split at the least
 
 
 def default_decode_config(head_dim: int, device: torch.device) -> DecodeConfig:
@@ -65,11 +69,12 @@ def _num_sms(device: torch.device) -> int:
 
 
 def decode_num_splits(
-    num_seqs: int, num_kv_heads: int, max_blocks: int, block_size: int, target_programs: int
+    num_seqs: int, num_kv_heads: int, max_blocks: int, block_size: int, target_programs: int,
+    min_tokens_per_split: int = MIN_TOKENS_PER_SPLIT,
 ) -> int:
     """Splits per (sequence, KV head): enough programs to fill the GPU, from shapes only."""
     max_context = max_blocks * block_size
-    by_length = math.ceil(max_context / MIN_TOKENS_PER_SPLIT)
+    by_length = math.ceil(max_context / min_tokens_per_split)
     by_occupancy = math.ceil(target_programs / max(1, num_seqs * num_kv_heads))
     return max(1, min(by_length, by_occupancy, MAX_SPLITS))
 
@@ -80,7 +85,8 @@ def split_count(kernel: str, num_splits: int | None, num_seqs: int, k_cache: tor
     kernel when it is out of range. The one rule for the decode kernel and the attention plan."""
     if num_splits is None:
         target = cfg.programs_per_sm * _num_sms(k_cache.device)
-        num_splits = decode_num_splits(num_seqs, k_cache.shape[2], block_tables.shape[1], k_cache.shape[1], target)
+        num_splits = decode_num_splits(num_seqs, k_cache.shape[2], block_tables.shape[1], k_cache.shape[1], target,
+                                       cfg.min_tokens_per_split)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"{kernel}: num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     return num_splits

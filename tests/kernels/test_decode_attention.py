@@ -5,6 +5,7 @@ from spmd_engine.kernels import decode_attention as decode_module
 from spmd_engine.kernels.decode_attention import (
     MAX_SPLITS,
     MIN_COUNTERS,
+    MIN_TOKENS_PER_SPLIT,
     decode_num_splits,
     default_decode_config,
     merge_counters,
@@ -67,8 +68,9 @@ def test_cuda_tile_config_on_small_batch():
 def test_num_splits_depends_only_on_shapes():
     # a full GPU of (sequence, KV head) programs needs no split
     assert decode_num_splits(256, 8, 128, 16, target_programs=528) == 1
-    # batch 1 at 2k context: split up to the length limit, within bounds
-    assert decode_num_splits(1, 8, 128, 16, target_programs=528) == 16
+    # batch 1 at 2k context: split up to the length limit (MIN_TOKENS_PER_SPLIT each), within bounds
+    assert decode_num_splits(1, 8, 128, 16, target_programs=528) == 2048 // MIN_TOKENS_PER_SPLIT
+    assert decode_num_splits(1, 8, 128, 16, target_programs=528, min_tokens_per_split=128) == 16
     assert decode_num_splits(1, 1, 10_000, 256, target_programs=10_000) == MAX_SPLITS
     assert decode_num_splits(4, 2, 1, 16, target_programs=528) == 1
 

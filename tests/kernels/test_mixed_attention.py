@@ -17,7 +17,7 @@ from tests.kernels.paged_batch import DEVICE, gpu_case, make_paged_batch
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # triton interpreter noise
 
 # many resident programs per SM: small decode batches get several splits (and the merge) on CPU too
-SPLITTING = DecodeConfig(block_n=16, num_warps=1, num_stages=1, programs_per_sm=64)
+SPLITTING = DecodeConfig(block_n=16, num_warps=1, num_stages=1, programs_per_sm=64, min_tokens_per_split=64)
 
 
 def two_kernel_path(batch, num_decode: int, decode_config=None) -> torch.Tensor:
