@@ -3,7 +3,8 @@
 Decode is bandwidth-bound (reported as achieved GB/s over the K/V bytes it must read); prefill is
 compute-bound (reported as TFLOP/s over the causal QK^T and PV products). Every row also shows the
 relative error against `kernels/reference.py`. Run: `PYTHONPATH=. python kernels/bench_attention.py`
-(`--sweep` additionally times a grid of tile configs to pick the defaults; `--kv-fp8` stores the caches
+(`--sweep` additionally times a grid of tile configs to pick the defaults; `--splits` times only batch-1
+decode by split count, the basis of MIN_TOKENS_PER_SPLIT; `--kv-fp8` stores the caches
 as float8 e4m3 with per-KV-head scales, the `kv_cache_dtype=fp8` path: GB/s then counts 1-byte K/V).
 The `merge` rows time the decode's split merge both ways, replayed in a CUDA graph as the engine runs
 it: a second launch, or fused into the split kernel (`fused_merge`), and check their bits are equal.
@@ -29,6 +30,7 @@ from spmd_engine.kernels.decode_attention import (
 from spmd_engine.kernels.kv_quant import FP8_DTYPE
 from spmd_engine.kernels.kv_store import store_kv
 from spmd_engine.kernels.mixed_attention import plan_paged_attention
+from spmd_engine.kernels.pdl import pdl_launches
 from spmd_engine.kernels.prefill_attention import PrefillConfig, default_prefill_config, paged_prefill_attention
 from spmd_engine.kernels.reference import paged_attention_reference
 
@@ -218,6 +220,32 @@ def bench_store(tokens: int, block_size: int):
     return ms, 2 * key.numel() * (key.element_size() + k_cache.element_size()) / ms / 1e6
 
 
+def bench_batch1_splits(context: int, layers: int = 28, width_blocks: int = 256, block_size: int = 16,
+                        splits: tuple[int, ...] = (32, 16, 8, 4, 2, 1)) -> dict[int, float]:
+    """Batch-1 decode attention, µs per layer by split count: `layers` layers' caches (more bytes than the
+    L2 holds at long contexts) attended one after another inside one CUDA graph, a `width_blocks`-wide
+    block table (the engine's decode graphs are as wide as max_model_len), launched as the engine's
+    batch-1 graphs are (with PDL where the device has it)."""
+    gen = torch.Generator(device="cuda").manual_seed(context)
+    shape = (width_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+    caches = [(torch.randn(shape, device="cuda", dtype=DTYPE, generator=gen),
+               torch.randn(shape, device="cuda", dtype=DTYPE, generator=gen)) for _ in range(layers)]
+    q = torch.randn(1, NUM_Q_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE, generator=gen)
+    out = torch.empty_like(q)
+    lens = torch.tensor([context], dtype=torch.int32, device="cuda")
+    table = torch.randperm(width_blocks, device="cuda", generator=gen).to(torch.int32).view(1, width_blocks)
+    times = {}
+    with pdl_launches(True):
+        for count in splits:
+            def run(count=count):
+                for k_cache, v_cache in caches:
+                    paged_decode_attention(q, k_cache, v_cache, lens, table, HEAD_DIM**-0.5, out=out,
+                                           num_splits=count)
+            run()  # compile, allocate the merge counters outside the capture
+            times[count] = triton.testing.do_bench_cudagraph(run, rep=100, return_mode="median") * 1e3 / layers
+    return times
+
+
 def sweep() -> None:
     print("\n# decode config sweep (ms)")
     configs = [
@@ -247,6 +275,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sweep", action="store_true", help="also time a grid of tile configs")
     parser.add_argument("--kv-fp8", action="store_true", help="float8 e4m3 K/V caches (kv_cache_dtype=fp8)")
+    parser.add_argument("--splits", action="store_true",
+                        help="only the batch-1 table: decode µs per layer by split count (MIN_TOKENS_PER_SPLIT)")
     args = parser.parse_args()
     global KV_FP8
     KV_FP8 = args.kv_fp8
@@ -258,6 +288,16 @@ def main() -> None:
           f"{'float8_e4m3fn' if KV_FP8 else DTYPE}")
     print(f"# decode config {default_decode_config(HEAD_DIM, device)}")
     print(f"# prefill config {default_prefill_config(HEAD_DIM, device)}")
+    if args.splits:
+        cfg = default_decode_config(HEAD_DIM, device)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        chosen = decode_num_splits(1, NUM_KV_HEADS, 256, 16, cfg.programs_per_sm * sms, cfg.min_tokens_per_split)
+        print(f"\n# batch 1, 28 layers in one CUDA graph, 4096-token table, block 16: us per layer "
+              f"(the split rule picks {chosen})")
+        for context in (650, 2000, 4000):
+            times = bench_batch1_splits(context)
+            print(f"context {context:5d}: " + "  ".join(f"{n} splits {us:6.2f}" for n, us in times.items()), flush=True)
+        return
     print(f"# device-to-device copy: {copy_bandwidth_gbs():.0f} GB/s (read + write)")
     rows = []
     for block_size in (16, 256):
