@@ -23,9 +23,9 @@ import triton.testing
 
 from spmd_engine.kernels.decode_attention import (
     DecodeConfig,
-    decode_num_splits,
     default_decode_config,
     paged_decode_attention,
+    split_count,
 )
 from spmd_engine.kernels.kv_quant import FP8_DTYPE
 from spmd_engine.kernels.kv_store import store_kv
@@ -98,10 +98,7 @@ def bench_decode(batch: int, context: int, block_size: int, config: DecodeConfig
     ms = median_ms(run, rep=200 if config is None else 60)
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * kc.element_size()
     io_bytes = 2 * q.numel() * q.element_size() + tables.numel() * 4
-    cfg = config or default_decode_config(HEAD_DIM, q.device)
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    splits = decode_num_splits(batch, NUM_KV_HEADS, tables.shape[1], block_size, cfg.programs_per_sm * sms,
-                               cfg.min_tokens_per_split)
+    splits = split_count("bench_attention", None, batch, kc, tables, config or default_decode_config(HEAD_DIM, q.device))
     return ms, (kv_bytes + io_bytes) / ms / 1e6, err, splits
 
 
@@ -117,10 +114,7 @@ def bench_decode_merge(batch: int, context: int, block_size: int) -> tuple[float
                                 **scales)
         run()  # compile, allocate the merge counters outside the capture
         times[fused] = triton.testing.do_bench_cudagraph(run, rep=100, return_mode="median") * 1e3
-    cfg = default_decode_config(HEAD_DIM, q.device)
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    splits = decode_num_splits(batch, NUM_KV_HEADS, tables.shape[1], block_size, cfg.programs_per_sm * sms,
-                               cfg.min_tokens_per_split)
+    splits = split_count("bench_attention", None, batch, kc, tables, default_decode_config(HEAD_DIM, q.device))
     return times[False], times[True], torch.equal(outs[False], outs[True]), splits
 
 
@@ -221,11 +215,11 @@ def bench_store(tokens: int, block_size: int):
 
 
 def bench_batch1_splits(context: int, layers: int = 28, width_blocks: int = 256, block_size: int = 16,
-                        splits: tuple[int, ...] = (32, 16, 8, 4, 2, 1)) -> dict[int, float]:
+                        splits: tuple[int, ...] = (32, 16, 8, 4, 2, 1)) -> tuple[dict[int, float], int]:
     """Batch-1 decode attention, µs per layer by split count: `layers` layers' caches (more bytes than the
     L2 holds at long contexts) attended one after another inside one CUDA graph, a `width_blocks`-wide
     block table (the engine's decode graphs are as wide as max_model_len), launched as the engine's
-    batch-1 graphs are (with PDL where the device has it)."""
+    batch-1 graphs are (with PDL where the device has it). Also returns the split count the rule picks."""
     gen = torch.Generator(device="cuda").manual_seed(context)
     shape = (width_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
     caches = [(torch.randn(shape, device="cuda", dtype=DTYPE, generator=gen),
@@ -243,7 +237,7 @@ def bench_batch1_splits(context: int, layers: int = 28, width_blocks: int = 256,
                                            num_splits=count)
             run()  # compile, allocate the merge counters outside the capture
             times[count] = triton.testing.do_bench_cudagraph(run, rep=100, return_mode="median") * 1e3 / layers
-    return times
+    return times, split_count("bench_attention", None, 1, caches[0][0], table, default_decode_config(HEAD_DIM, q.device))
 
 
 def sweep() -> None:
@@ -289,14 +283,11 @@ def main() -> None:
     print(f"# decode config {default_decode_config(HEAD_DIM, device)}")
     print(f"# prefill config {default_prefill_config(HEAD_DIM, device)}")
     if args.splits:
-        cfg = default_decode_config(HEAD_DIM, device)
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        chosen = decode_num_splits(1, NUM_KV_HEADS, 256, 16, cfg.programs_per_sm * sms, cfg.min_tokens_per_split)
-        print(f"\n# batch 1, 28 layers in one CUDA graph, 4096-token table, block 16: us per layer "
-              f"(the split rule picks {chosen})")
+        print("\n# batch 1, 28 layers in one CUDA graph, 4096-token table, block 16: us per layer by split count")
         for context in (650, 2000, 4000):
-            times = bench_batch1_splits(context)
-            print(f"context {context:5d}: " + "  ".join(f"{n} splits {us:6.2f}" for n, us in times.items()), flush=True)
+            times, chosen = bench_batch1_splits(context)
+            print(f"context {context:5d}: " + "  ".join(f"{n} splits {us:6.2f}" for n, us in times.items())
+                  + f"   (the rule picks {chosen})", flush=True)
         return
     print(f"# device-to-device copy: {copy_bandwidth_gbs():.0f} GB/s (read + write)")
     rows = []
