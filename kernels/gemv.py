@@ -64,13 +64,16 @@ class GemvConfig:
 
 
 # Explicit choices by (N, K, element size in bytes); shapes not listed use `_heuristic_config`.
-# Filled from `python kernels/bench_gemv.py --model qwen3 --sweep-only` on an H200 (docs/BENCHMARKS.md,
-# session 6): µs per matmul at M=1, the heuristic's choice in brackets. With K = 1024 one program over
-# the whole K beats the split: its sum needs no second pass.
+# Chosen in situ (session 8, `.gpu/gemvsitu2.py` on branch experiments/s8, docs/BENCHMARKS.md): the whole
+# batch-1 Qwen3-0.6B decode step of kernels/bench_pdl.py (PDL on, one CUDA graph, context 1024) timed while
+# one shape's choice varies, two rounds over the shapes: 1074 -> 980 us per step. An isolated sweep
+# (`bench_gemv.py --sweep`, no PDL, no neighbours) had picked differently: what overlaps a kernel's
+# neighbours is what counts. The LM head keeps the heuristic (64 x 128, no split).
 GEMV_TABLE: dict[tuple[int, int, int], GemvConfig] = {
-    (4096, 1024, 2): GemvConfig(block_n=64, block_k=256, split_k=1),  # Qwen3-0.6B qkv: 5.1 (5.9)
-    (1024, 2048, 2): GemvConfig(block_n=64, block_k=256, split_k=8),  # o_proj: 4.7 (4.8)
-    (6144, 1024, 2): GemvConfig(block_n=64, block_k=256, split_k=1),  # gate_up: 6.0 (8.4)
+    (4096, 1024, 2): GemvConfig(block_n=64, block_k=256, split_k=1),  # Qwen3-0.6B qkv
+    (1024, 2048, 2): GemvConfig(block_n=64, block_k=256, split_k=8, num_stages=3),  # o_proj: -3.6 us per step
+    (6144, 1024, 2): GemvConfig(block_n=64, block_k=128, split_k=1, num_stages=5),  # gate_up: -38 us
+    (1024, 3072, 2): GemvConfig(block_n=64, block_k=256, split_k=6, num_warps=8),  # down (gated): -56 us
 }
 
 
