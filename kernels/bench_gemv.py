@@ -10,19 +10,28 @@ Pick `SMALL_BATCH_MAX_M` (models/layers/linear.py) from the last M where the GEM
 `--sweep` also times a few block choices per shape at M=1 and M=16 and prints the best as
 `GEMV_TABLE` entries to paste into kernels/gemv.py.
 
-Run: `PYTHONPATH=. python kernels/bench_gemv.py [--model qwen3|qwen3_8b|all] [--sweep | --sweep-only]`.
+`--in-situ` chooses the blocks where they run: the whole batch-1 Qwen3-0.6B decode step of
+`kernels/bench_pdl.py` (PDL on, one CUDA graph) is timed while one shape's choice varies, shape after
+shape (coordinate descent, `--rounds` passes), and the winners are printed as `GEMV_TABLE` entries.
+Why: with PDL a GEMV's launch and ramp overlap its neighbours, so the isolated `--sweep` misjudges
+(session 8 on an H200: its choices gave 1074 us per step, the in-situ ones 980).
+
+Run: `PYTHONPATH=. python kernels/bench_gemv.py [--model qwen3|qwen3_8b|all] [--sweep | --sweep-only]`,
+or `PYTHONPATH=. python kernels/bench_gemv.py --in-situ [--context 1024] [--rounds 2]` (~2 min a round).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
+import statistics
 
 import torch
 import triton
 import triton.testing
-
 from spmd_engine.kernels.bench_fused_ops import graph_ms
-from spmd_engine.kernels.gemv import GemvConfig, gemv, gemv_config
+from spmd_engine.kernels.gemv import GEMV_TABLE, GemvConfig, gemv, gemv_config
+from spmd_engine.kernels.pdl import pdl_launches
 
 # name -> (layers, hidden, q heads x head_dim, kv heads x head_dim, intermediate, vocab)
 MODELS = {"qwen3": (28, 1024, 2048, 1024, 3072, 151936), "qwen3_8b": (36, 4096, 4096, 1024, 12288, 151936)}
@@ -133,12 +142,86 @@ def sweep(name: str) -> None:
     print("GEMV_TABLE entries (kernels/gemv.py):\n" + "\n".join(table))
 
 
+def _step_us(step, repeats: int) -> float:
+    """Median µs of the decode step's graph (a fresh capture each time: the block choice may have changed)."""
+    return statistics.median(1000 * graph_ms(step.run) for _ in range(repeats))
+
+
+def _time_choices(step, key: tuple[int, int, int], choices) -> list[tuple[float, GemvConfig]]:
+    """(step µs, choice) for each choice of one shape, fastest first; choices this GPU cannot run are skipped."""
+    results = []
+    for cfg in choices:
+        GEMV_TABLE[key] = cfg
+        gemv_config.cache_clear()
+        try:
+            results.append((_step_us(step, 1), cfg))
+        except Exception as err:  # noqa: BLE001 - e.g. more shared memory than the GPU has
+            print(f"{'':>10} skipped {cfg}: {type(err).__name__}")
+    return sorted(results, key=lambda r: r[0])
+
+
+def in_situ(context: int, rounds: int, min_gain_us: float = 2.0) -> None:
+    """Coordinate descent over the Qwen3-0.6B shapes on the whole batch-1 decode step (see the module doc).
+    Per shape: `candidates` (tile, K step, split), then around the best of them K step x warps x stages;
+    the three fastest are re-timed (3 captures each) against the current choice, which is replaced only
+    when it loses by more than `min_gain_us` per step (noise between captures is ~1 µs)."""
+    from spmd_engine.kernels.bench_pdl import DecodeStep
+
+    print(f"\nin situ: the batch-1 Qwen3-0.6B decode step (context {context}, PDL on, one CUDA graph), µs per step")
+    fmt = lambda c: f"{c.block_n}x{c.block_k} split {c.split_k} warps {c.num_warps} stages {c.num_stages}"
+    before = dict(GEMV_TABLE)
+    with torch.inference_mode(), pdl_launches(True):
+        step = DecodeStep(1, context)
+        start = _step_us(step, 3)
+        print(f"start: {start:.1f} µs")
+        for round_ in range(rounds):
+            for proj, (n, k, _) in model_shapes("qwen3").items():
+                key = (n, k, 2)
+                listed, current = key in GEMV_TABLE, gemv_config(n, k, 2)
+                found = _time_choices(step, key, candidates(n, k))
+                near = {dataclasses.replace(found[0][1], block_k=bk, num_warps=w, num_stages=st)
+                        for bk in (64, 128, 256) for w in (4, 8) for st in (3, 4, 5)}
+                found = sorted(found + _time_choices(step, key, near - {c for _, c in found}), key=lambda r: r[0])
+                GEMV_TABLE[key] = current
+                gemv_config.cache_clear()
+                reference = _step_us(step, 3)
+                confirmed = [(reference, current)]
+                for _, cfg in found[:3]:
+                    if cfg != current:
+                        GEMV_TABLE[key] = cfg
+                        gemv_config.cache_clear()
+                        confirmed.append((_step_us(step, 3), cfg))
+                best_us, best = min(confirmed, key=lambda r: r[0])
+                keep = best_us >= reference - min_gain_us
+                GEMV_TABLE[key] = current if keep else best
+                if keep and not listed:  # the heuristic's choice stays the heuristic's (no entry)
+                    del GEMV_TABLE[key]
+                gemv_config.cache_clear()
+                print(f"round {round_ + 1} {proj:>8} {n}x{k}: {fmt(current)} {reference:.1f} µs -> "
+                      f"{'kept' if keep else f'{fmt(best)} {best_us:.1f} µs'}")
+        final = _step_us(step, 5)
+    print(f"step: {start:.1f} -> {final:.1f} µs. GEMV_TABLE (kernels/gemv.py):")
+    for (n, k, size), cfg in GEMV_TABLE.items():
+        print(f"    ({n}, {k}, {size}): {cfg!r},{'' if before.get((n, k, size)) == cfg else '  # new'}")
+    GEMV_TABLE.clear()
+    GEMV_TABLE.update(before)
+    gemv_config.cache_clear()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=[*MODELS, "all"], default="all")
     parser.add_argument("--sweep", action="store_true", help="also time block choices per shape")
     parser.add_argument("--sweep-only", action="store_true", help="the sweep without the cuBLAS comparison")
+    parser.add_argument("--in-situ", action="store_true",
+                        help="choose Qwen3-0.6B's blocks on the whole batch-1 decode step (only this)")
+    parser.add_argument("--context", type=int, default=1024, help="--in-situ: tokens per sequence")
+    parser.add_argument("--rounds", type=int, default=2, help="--in-situ: passes over the shapes")
     args = parser.parse_args()
+    if args.in_situ:
+        print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
+        in_situ(args.context, args.rounds)
+        return
     names = list(MODELS) if args.model == "all" else [args.model]
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     for name in names if not args.sweep_only else []:
