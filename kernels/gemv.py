@@ -66,14 +66,16 @@ class GemvConfig:
 # Explicit choices by (N, K, element size in bytes); shapes not listed use `_heuristic_config`.
 # Chosen in situ (`python kernels/bench_gemv.py --in-situ`, H200, session 8, docs/BENCHMARKS.md): the whole
 # batch-1 Qwen3-0.6B decode step of kernels/bench_pdl.py (PDL on, one CUDA graph, context 1024) timed while
-# one shape's choice varies, over the shapes in turn: 1074 -> 975 us per step (most from gate_up and down).
-# The isolated sweep (`--sweep`, no PDL, no neighbours) had picked differently: with PDL what counts is
-# how a kernel overlaps its neighbours. The LM head keeps the heuristic (64 x 128, no split).
+# one shape's choice varies, over the shapes in turn: 1074 -> 980 us per step, and in the engine the
+# batch-1 ITL p50 went 1.15 -> 1.05 ms (GPU busy 1.13 -> 1.04 ms). The isolated sweep (`--sweep`, no PDL,
+# no neighbours) had picked differently: with PDL what counts is how a kernel overlaps its neighbours.
+# A later pass's 2-4 us picks (qkv 64x128, down 64x64, 5 stages) cost 29 us per step in the engine: not
+# taken. The LM head keeps the heuristic (64 x 128, no split).
 GEMV_TABLE: dict[tuple[int, int, int], GemvConfig] = {
-    (4096, 1024, 2): GemvConfig(block_n=64, block_k=128, split_k=1, num_stages=5),  # Qwen3-0.6B qkv
+    (4096, 1024, 2): GemvConfig(block_n=64, block_k=256, split_k=1),  # Qwen3-0.6B qkv
     (1024, 2048, 2): GemvConfig(block_n=64, block_k=256, split_k=8, num_stages=3),  # o_proj
     (6144, 1024, 2): GemvConfig(block_n=64, block_k=128, split_k=1, num_stages=5),  # gate_up
-    (1024, 3072, 2): GemvConfig(block_n=64, block_k=64, split_k=6, num_warps=8, num_stages=5),  # down (gated)
+    (1024, 3072, 2): GemvConfig(block_n=64, block_k=256, split_k=6, num_warps=8),  # down (gated)
 }
 
 
