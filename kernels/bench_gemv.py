@@ -31,6 +31,7 @@ import statistics
 import torch
 import triton
 import triton.testing
+
 from spmd_engine.kernels.bench_fused_ops import graph_ms
 from spmd_engine.kernels.gemv import GEMV_TABLE, GemvConfig, gemv, gemv_config
 from spmd_engine.kernels.pdl import pdl_launches

@@ -119,10 +119,8 @@ def main() -> None:
             rows = int(staged.plan.sample.sum())
             return self.logits[:rows].clone() if rows else None
 
-        sampler_graphs = None  # as on CPU: every step samples eagerly
-
         def sampler_graph_rows(self, staged) -> None:
-            return None
+            return None  # no sampler graphs, as on CPU: every step samples eagerly
 
     cfg = EngineConfig(model=ModelConfig("fake", None, "dummy", {}), workload=WorkloadConfig("bench"),
                        sampling=SamplingParams(), block_size=args.block_size, num_kv_blocks=num_blocks,
