@@ -33,6 +33,7 @@ import triton
 import triton.testing
 
 from spmd_engine.kernels.bench_fused_ops import graph_ms
+from spmd_engine.kernels.bench_pdl import DecodeStep
 from spmd_engine.kernels.gemv import GEMV_TABLE, GemvConfig, gemv, gemv_config
 from spmd_engine.kernels.pdl import pdl_launches
 
@@ -169,8 +170,6 @@ def in_situ(context: int, rounds: int, min_gain_us: float = 5.0) -> None:
     the three fastest are re-timed (3 captures each) against the current choice, which is replaced only
     when it loses by more than `min_gain_us` per step (captures differ by ~1-2 µs, and smaller gains did
     not carry over to the engine)."""
-    from spmd_engine.kernels.bench_pdl import DecodeStep
-
     print(f"\nin situ: the batch-1 Qwen3-0.6B decode step (context {context}, PDL on, one CUDA graph), µs per step")
     fmt = lambda c: f"{c.block_n}x{c.block_k} split {c.split_k} warps {c.num_warps} stages {c.num_stages}"
     before = dict(GEMV_TABLE)
