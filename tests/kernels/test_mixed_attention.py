@@ -5,11 +5,13 @@ the bytes of `paged_decode_attention` on the decode rows plus `paged_prefill_att
 (the path the engine took before), for every layer that reuses the plan. Under TRITON_INTERPRET on
 CPU (tiny shapes); on CUDA the gpu_case entries run real shapes.
 """
+import dataclasses
+
 import pytest
 import torch
 
 from spmd_engine.kernels import mixed_attention
-from spmd_engine.kernels.decode_attention import DecodeConfig, paged_decode_attention
+from spmd_engine.kernels.decode_attention import DecodeConfig, default_decode_config, paged_decode_attention
 from spmd_engine.kernels.mixed_attention import plan_paged_attention
 from spmd_engine.kernels.prefill_attention import paged_prefill_attention
 from tests.kernels.paged_batch import DEVICE, gpu_case, make_paged_batch
@@ -18,6 +20,14 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # triton 
 
 # many resident programs per SM: small decode batches get several splits (and the merge) on CPU too
 SPLITTING = DecodeConfig(block_n=16, num_warps=1, num_stages=1, programs_per_sm=64, min_tokens_per_split=64)
+
+
+def splitting_config(head_dim: int) -> DecodeConfig:
+    """A config that splits the short 'splits' cases: on CUDA the device's tile (so the one launch still
+    fuses with the prefill kernel), with short splits and many programs wanted, as SPLITTING on CPU."""
+    if DEVICE.type == "cpu":
+        return SPLITTING
+    return dataclasses.replace(default_decode_config(head_dim, DEVICE), programs_per_sm=64, min_tokens_per_split=64)
 
 
 def two_kernel_path(batch, num_decode: int, decode_config=None) -> torch.Tensor:
@@ -69,7 +79,7 @@ def test_plan_is_bitwise_the_two_kernel_path(decode_lens, prompts, block_size, h
     batch = make_paged_batch(query_lens, seq_lens, block_size, hq, hkv, head_dim, dtype, seed=len(seq_lens),
                              kv_fp8=fp8)
     n = len(decode_lens)
-    config = SPLITTING if splitting and DEVICE.type == "cpu" else None
+    config = splitting_config(head_dim) if splitting else None
     expected = two_kernel_path(batch, n, config)
     plan, out = planned(batch, n, config, fuse)
     if splitting:
