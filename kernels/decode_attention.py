@@ -97,6 +97,68 @@ def decode_block_h(group: int) -> int:
     return max(16, triton.next_power_of_2(group))
 
 
+# Column width of the fp8 cache's chunked tiles (`_attend_fp8_in_chunks`): four chunks make a 128-wide head.
+FP8_CHUNK = tl.constexpr(32)
+
+
+@triton.jit
+def _online_softmax(scores, valid, m_i, l_i):
+    """One tile's step of the running softmax: (p, the rescale of what came before, new max, new sum)."""
+    scores = tl.where(valid[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def _attend_fp8_in_chunks(
+    q_rows, row_valid, k_cache, v_cache, block_table_row, kv_head_offset, start, end, scale_log2,
+    stride_cache_block, stride_cache_pos,
+    BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """The fp8 cache's tiles (float16 dots) over a 128-wide head as four 32-wide column chunks: q . k
+    accumulates the chunks' dots in order (the whole-tile dot's k order), P V gives each output chunk
+    alone. Why: the whole tile's upcast K and V live in registers at once (248 registers per thread,
+    two programs per SM, the kernel bound by issue: docs/BENCHMARKS.md, session 8); a chunk's do not
+    (96 registers). Returns (acc [BLOCK_H, HEAD_DIM], l_i, m_i)."""
+    dc = tl.arange(0, FP8_CHUNK)
+    mask = row_valid[:, None]
+    q0 = fp8_dot_operand(tl.load(q_rows + dc[None, :], mask=mask, other=0.0))
+    q1 = fp8_dot_operand(tl.load(q_rows + FP8_CHUNK + dc[None, :], mask=mask, other=0.0))
+    q2 = fp8_dot_operand(tl.load(q_rows + 2 * FP8_CHUNK + dc[None, :], mask=mask, other=0.0))
+    q3 = fp8_dot_operand(tl.load(q_rows + 3 * FP8_CHUNK + dc[None, :], mask=mask, other=0.0))
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    a0 = tl.zeros([BLOCK_H, FP8_CHUNK], dtype=tl.float32)
+    a1 = tl.zeros([BLOCK_H, FP8_CHUNK], dtype=tl.float32)
+    a2 = tl.zeros([BLOCK_H, FP8_CHUNK], dtype=tl.float32)
+    a3 = tl.zeros([BLOCK_H, FP8_CHUNK], dtype=tl.float32)
+    for tile_start in range(start, end, BLOCK_N):
+        positions = tile_start + tl.arange(0, BLOCK_N)
+        valid = positions < end
+        rows = paged_tile_offsets(
+            block_table_row, tile_start, positions, valid, stride_cache_block, stride_cache_pos,
+            BLOCK_SIZE, BLOCK_N,
+        )
+        k_chunks = k_cache + (rows[:, None] + kv_head_offset + dc[None, :])
+        v_chunks = v_cache + (rows[:, None] + kv_head_offset + dc[None, :])
+        live = valid[:, None]
+        scores = tl.dot(q0, tl.trans(tl.load(k_chunks, mask=live, other=0.0).to(tl.float16)))
+        scores = tl.dot(q1, tl.trans(tl.load(k_chunks + FP8_CHUNK, mask=live, other=0.0).to(tl.float16)), scores)
+        scores = tl.dot(q2, tl.trans(tl.load(k_chunks + 2 * FP8_CHUNK, mask=live, other=0.0).to(tl.float16)), scores)
+        scores = tl.dot(q3, tl.trans(tl.load(k_chunks + 3 * FP8_CHUNK, mask=live, other=0.0).to(tl.float16)), scores)
+        p, alpha, m_i, l_i = _online_softmax(scores * scale_log2, valid, m_i, l_i)
+        p = p.to(tl.float16)
+        a0 = a0 * alpha[:, None] + tl.dot(p, tl.load(v_chunks, mask=live, other=0.0).to(tl.float16))
+        a1 = a1 * alpha[:, None] + tl.dot(p, tl.load(v_chunks + FP8_CHUNK, mask=live, other=0.0).to(tl.float16))
+        a2 = a2 * alpha[:, None] + tl.dot(p, tl.load(v_chunks + 2 * FP8_CHUNK, mask=live, other=0.0).to(tl.float16))
+        a3 = a3 * alpha[:, None] + tl.dot(p, tl.load(v_chunks + 3 * FP8_CHUNK, mask=live, other=0.0).to(tl.float16))
+    # [BLOCK_H, chunk] x 4 -> [BLOCK_H, HEAD_DIM]: join gives [H, c, 2, 2] with a0 a1 / a2 a3 at (i, j) = c index 2i + j
+    acc = tl.reshape(tl.permute(tl.join(tl.join(a0, a2), tl.join(a1, a3)), (0, 2, 3, 1)), [BLOCK_H, HEAD_DIM])
+    return acc, l_i, m_i
+
+
 @triton.jit
 def decode_split_program(
     seq, kv_head, split,
@@ -125,40 +187,39 @@ def decode_split_program(
     row_valid = group_rows < GROUP
     heads = kv_head * GROUP + group_rows
     dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(
-        query + seq.to(tl.int64) * stride_q_seq + heads[:, None] * stride_q_head + dims[None, :],
-        mask=row_valid[:, None], other=0.0,
-    )
-    if DOT_F16:
-        q = fp8_dot_operand(q)
+    q_rows = query + seq.to(tl.int64) * stride_q_seq + heads[:, None] * stride_q_head
     block_table_row = block_tables + seq.to(tl.int64) * stride_table
     kv_head_offset = kv_head.to(tl.int64) * stride_cache_head
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
-    for tile_start in range(start, end, BLOCK_N):
-        positions = tile_start + tl.arange(0, BLOCK_N)
-        valid = positions < end
-        rows = paged_tile_offsets(
-            block_table_row, tile_start, positions, valid, stride_cache_block, stride_cache_pos,
-            BLOCK_SIZE, BLOCK_N,
+    if DOT_F16 and HEAD_DIM == 4 * FP8_CHUNK:
+        acc, l_i, m_i = _attend_fp8_in_chunks(
+            q_rows, row_valid, k_cache, v_cache, block_table_row, kv_head_offset, start, end, scale_log2,
+            stride_cache_block, stride_cache_pos, BLOCK_H, BLOCK_SIZE, HEAD_DIM, BLOCK_N,
         )
-        offsets = rows[:, None] + kv_head_offset + dims[None, :]
-        k = tl.load(k_cache + offsets, mask=valid[:, None], other=0.0)
-        v = tl.load(v_cache + offsets, mask=valid[:, None], other=0.0)
-        if KV_FP8 and not DOT_F16:  # float32 model: upcast exactly, dot in float32
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(
-            p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION
-        )
-        m_i = m_new
+    else:
+        q = tl.load(q_rows + dims[None, :], mask=row_valid[:, None], other=0.0)
+        if DOT_F16:
+            q = fp8_dot_operand(q)
+        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+        for tile_start in range(start, end, BLOCK_N):
+            positions = tile_start + tl.arange(0, BLOCK_N)
+            valid = positions < end
+            rows = paged_tile_offsets(
+                block_table_row, tile_start, positions, valid, stride_cache_block, stride_cache_pos,
+                BLOCK_SIZE, BLOCK_N,
+            )
+            offsets = rows[:, None] + kv_head_offset + dims[None, :]
+            k = tl.load(k_cache + offsets, mask=valid[:, None], other=0.0)
+            v = tl.load(v_cache + offsets, mask=valid[:, None], other=0.0)
+            if KV_FP8 and not DOT_F16:  # float32 model: upcast exactly, dot in float32
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
+            p, alpha, m_i, l_i = _online_softmax(scores, valid, m_i, l_i)
+            acc = acc * alpha[:, None] + tl.dot(
+                p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION
+            )
 
     empty = l_i == 0.0  # split past the sequence end (or an empty sequence)
     result = acc / tl.where(empty, 1.0, l_i)[:, None]

@@ -120,6 +120,9 @@ FP8_CASES = [
     pytest.param([1, 16, 17, 40], 16, 4, 4, 32, torch.float32, None, 1e-5, id="bs16-gqa1-fp32-single"),
     pytest.param([70, 3, 129], 64, 4, 2, 16, torch.float16, 4, 2e-3, id="bs64-gqa2-fp16-split4"),
     pytest.param([9, 33], 8, 8, 2, 16, torch.float32, 2, 1e-5, id="bs8-gqa4-fp32-split2"),
+    # a 128-wide head under a 16-bit model: the chunked fp8 tiles (`_attend_fp8_in_chunks`)
+    pytest.param([40, 7, 33], 16, 4, 2, 128, torch.float16, None, 2e-3, id="bs16-gqa2-fp16-d128"),
+    pytest.param([40, 7, 33], 16, 4, 2, 128, torch.float16, 3, 2e-3, id="bs16-gqa2-fp16-d128-split3"),
     gpu_case([512 + 97 * i for i in range(64)], 16, 16, 8, 128, torch.bfloat16, None, 1e-2),
     gpu_case([1, 4096, 17, 2048], 16, 32, 4, 128, torch.bfloat16, None, 1e-2),
     gpu_case([3000, 100], 16, 8, 8, 256, torch.bfloat16, None, 1e-2),
