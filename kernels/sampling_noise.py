@@ -178,8 +178,10 @@ def _gumbel_race_kernel(logits, temps, seeds, counters, best_scores, best_cols, 
     counter = tl.load(counters + row).to(tl.int64)
     temp = tl.load(temps + row)
     a, b = _row_keys(seed, counter, tl.full((), 0, tl.uint32), MUL1, MUL2, A0, B0)
-    best = tl.full((), float("-inf"), tl.float32)
-    best_col = tl.full((), 0, tl.int64) + chunk * CHUNK
+    # each lane keeps its own best over the blocks (strictly better only: its lowest column on ties), and
+    # the lanes are reduced once at the end: one cross-warp reduction per chunk instead of two per block
+    lane_best = tl.full((BLOCK,), float("-inf"), tl.float32)
+    lane_col = tl.zeros((BLOCK,), tl.int32) + chunk * CHUNK
     top = tl.full((), float("-inf"), tl.float32)
     total = tl.full((), 0.0, tl.float32)
     for offset in range(0, CHUNK, BLOCK):
@@ -194,7 +196,11 @@ def _gumbel_race_kernel(logits, temps, seeds, counters, best_scores, best_cols, 
             top = new_top
         score = z + _gumbel_from_hash(_column_hash(a, b, cols, MUL1, MUL2, CMUL))
         score = tl.where(mask, score, float("-inf"))
-        best, best_col = _keep_best(score, cols, vocab, best, best_col)
+        better = score > lane_best
+        lane_best = tl.where(better, score, lane_best)
+        lane_col = tl.where(better, cols, lane_col)
+    best = tl.max(lane_best, axis=0)
+    best_col = tl.min(tl.where(lane_best == best, lane_col, vocab), axis=0).to(tl.int64)
     tl.store(best_scores + row * num_chunks + chunk, best)
     tl.store(best_cols + row * num_chunks + chunk, best_col)
     if WITH_STATS:
