@@ -26,7 +26,7 @@ import triton.language as tl
 
 from spmd_engine.kernels.attention_support import check_attention_inputs, dot_precision, supports_shape
 from spmd_engine.kernels.kv_quant import check_kv_scales
-from spmd_engine.kernels.paged_kv_tile import fp8_dot_in_f16, fp8_dot_operand, paged_tile_offsets
+from spmd_engine.kernels.paged_kv_tile import fp8_dot_in_f16, fp8_dot_operand, paged_tile
 from spmd_engine.kernels.pdl import pdl_launch, pdl_prologue
 
 _LOG2_E = 1.4426950408889634
@@ -135,12 +135,8 @@ def _attend_fp8_in_chunks(
     a2 = tl.zeros([BLOCK_H, FP8_CHUNK], dtype=tl.float32)
     a3 = tl.zeros([BLOCK_H, FP8_CHUNK], dtype=tl.float32)
     for tile_start in range(start, end, BLOCK_N):
-        positions = tile_start + tl.arange(0, BLOCK_N)
-        valid = positions < end
-        rows = paged_tile_offsets(
-            block_table_row, tile_start, positions, valid, stride_cache_block, stride_cache_pos,
-            BLOCK_SIZE, BLOCK_N,
-        )
+        _, valid, rows = paged_tile(block_table_row, tile_start, end, stride_cache_block, stride_cache_pos,
+                                    BLOCK_SIZE, BLOCK_N)
         k_chunks = k_cache + (rows[:, None] + kv_head_offset + dc[None, :])
         v_chunks = v_cache + (rows[:, None] + kv_head_offset + dc[None, :])
         live = valid[:, None]
@@ -203,12 +199,8 @@ def decode_split_program(
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
         for tile_start in range(start, end, BLOCK_N):
-            positions = tile_start + tl.arange(0, BLOCK_N)
-            valid = positions < end
-            rows = paged_tile_offsets(
-                block_table_row, tile_start, positions, valid, stride_cache_block, stride_cache_pos,
-                BLOCK_SIZE, BLOCK_N,
-            )
+            _, valid, rows = paged_tile(block_table_row, tile_start, end, stride_cache_block, stride_cache_pos,
+                                        BLOCK_SIZE, BLOCK_N)
             offsets = rows[:, None] + kv_head_offset + dims[None, :]
             k = tl.load(k_cache + offsets, mask=valid[:, None], other=0.0)
             v = tl.load(v_cache + offsets, mask=valid[:, None], other=0.0)

@@ -31,6 +31,19 @@ def paged_tile_offsets(
         return block_ids.to(tl.int64) * stride_block + slots
 
 
+@triton.jit
+def paged_tile(
+    block_table_row, tile_start, end, stride_block, stride_pos, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """The tile at `tile_start` of a sequence whose first `end` positions are read: (positions, valid,
+    row offsets), the three every attention loop starts a tile with."""
+    positions = tile_start + tl.arange(0, BLOCK_N)
+    valid = positions < end
+    rows = paged_tile_offsets(block_table_row, tile_start, positions, valid, stride_block, stride_pos,
+                              BLOCK_SIZE, BLOCK_N)
+    return positions, valid, rows
+
+
 FP16_MAX = tl.constexpr(65504.0)
 
 

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from spmd_engine.kernels.attention_support import check_attention_inputs, dot_precision, supports_shape
 from spmd_engine.kernels.kv_quant import check_kv_scales
-from spmd_engine.kernels.paged_kv_tile import fp8_dot_in_f16, fp8_dot_operand, paged_tile_offsets
+from spmd_engine.kernels.paged_kv_tile import fp8_dot_in_f16, fp8_dot_operand, paged_tile
 from spmd_engine.kernels.pdl import pdl_launch, pdl_prologue
 
 _LOG2_E = 1.4426950408889634
@@ -50,12 +50,9 @@ def _attend_tile(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
-    positions = tile_start + tl.arange(0, BLOCK_N)
+    positions, valid, rows = paged_tile(block_table_row, tile_start, seq_len, stride_block, stride_pos, BLOCK_SIZE,
+                                        BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
-    valid = positions < seq_len
-    rows = paged_tile_offsets(
-        block_table_row, tile_start, positions, valid, stride_block, stride_pos, BLOCK_SIZE, BLOCK_N
-    )
     offsets = rows[:, None] + kv_head_offset + dims[None, :]
     if MASKED:
         k = tl.load(k_cache + offsets, mask=valid[:, None], other=0.0)
