@@ -26,7 +26,12 @@ import triton.language as tl
 
 from spmd_engine.kernels.attention_support import check_attention_inputs, dot_precision, supports_shape
 from spmd_engine.kernels.kv_quant import check_kv_scales
-from spmd_engine.kernels.paged_kv_tile import fp8_dot_in_f16, fp8_dot_operand, paged_tile
+from spmd_engine.kernels.paged_kv_tile import (
+    fp8_dot_in_f16,
+    fp8_dot_operand,
+    online_softmax_step,
+    paged_tile,
+)
 from spmd_engine.kernels.pdl import pdl_launch, pdl_prologue
 
 _LOG2_E = 1.4426950408889634
@@ -102,16 +107,6 @@ FP8_CHUNK = tl.constexpr(32)
 
 
 @triton.jit
-def _online_softmax(scores, valid, m_i, l_i):
-    """One tile's step of the running softmax: (p, the rescale of what came before, new max, new sum)."""
-    scores = tl.where(valid[None, :], scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores - m_new[:, None])
-    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
-
-
-@triton.jit
 def _attend_fp8_in_chunks(
     q_rows, row_valid, k_cache, v_cache, block_table_row, kv_head_offset, start, end, scale_log2,
     stride_cache_block, stride_cache_pos,
@@ -144,7 +139,8 @@ def _attend_fp8_in_chunks(
         scores = tl.dot(q1, tl.trans(tl.load(k_chunks + FP8_CHUNK, mask=live, other=0.0).to(tl.float16)), scores)
         scores = tl.dot(q2, tl.trans(tl.load(k_chunks + 2 * FP8_CHUNK, mask=live, other=0.0).to(tl.float16)), scores)
         scores = tl.dot(q3, tl.trans(tl.load(k_chunks + 3 * FP8_CHUNK, mask=live, other=0.0).to(tl.float16)), scores)
-        p, alpha, m_i, l_i = _online_softmax(scores * scale_log2, valid, m_i, l_i)
+        scores = tl.where(valid[None, :], scores * scale_log2, float("-inf"))
+        p, alpha, m_i, l_i = online_softmax_step(scores, m_i, l_i)
         p = p.to(tl.float16)
         a0 = a0 * alpha[:, None] + tl.dot(p, tl.load(v_chunks, mask=live, other=0.0).to(tl.float16))
         a1 = a1 * alpha[:, None] + tl.dot(p, tl.load(v_chunks + FP8_CHUNK, mask=live, other=0.0).to(tl.float16))
@@ -208,7 +204,8 @@ def decode_split_program(
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
             scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
-            p, alpha, m_i, l_i = _online_softmax(scores, valid, m_i, l_i)
+            scores = tl.where(valid[None, :], scores, float("-inf"))
+            p, alpha, m_i, l_i = online_softmax_step(scores, m_i, l_i)
             acc = acc * alpha[:, None] + tl.dot(
                 p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION
             )

@@ -1,5 +1,5 @@
-"""Address a tile of BLOCK_N consecutive KV positions of one sequence through its block table (and the
-float16 operand of the fp8-cache dots).
+"""Address a tile of BLOCK_N consecutive KV positions of one sequence through its block table, the
+running-softmax step over it, and the float16 operand of the fp8-cache dots.
 
 Shared by the prefill and decode kernels. When a KV block holds at least a whole tile (tiles are
 BLOCK_N-aligned), one scalar block-id load serves the tile; smaller blocks gather an id per row.
@@ -42,6 +42,16 @@ def paged_tile(
     rows = paged_tile_offsets(block_table_row, tile_start, positions, valid, stride_block, stride_pos,
                               BLOCK_SIZE, BLOCK_N)
     return positions, valid, rows
+
+
+@triton.jit
+def online_softmax_step(scores, m_i, l_i):
+    """One tile of the running softmax over log2-scaled scores [rows, BLOCK_N] (-inf where not visible):
+    (p, the rescale of what came before, the new row max, the new row sum)."""
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
 
 
 FP16_MAX = tl.constexpr(65504.0)

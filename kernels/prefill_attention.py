@@ -17,7 +17,12 @@ import triton.language as tl
 
 from spmd_engine.kernels.attention_support import check_attention_inputs, dot_precision, supports_shape
 from spmd_engine.kernels.kv_quant import check_kv_scales
-from spmd_engine.kernels.paged_kv_tile import fp8_dot_in_f16, fp8_dot_operand, paged_tile
+from spmd_engine.kernels.paged_kv_tile import (
+    fp8_dot_in_f16,
+    fp8_dot_operand,
+    online_softmax_step,
+    paged_tile,
+)
 from spmd_engine.kernels.pdl import pdl_launch, pdl_prologue
 
 _LOG2_E = 1.4426950408889634
@@ -67,10 +72,7 @@ def _attend_tile(
     if MASKED:
         visible = (positions[None, :] <= query_pos[:, None]) & valid[None, :]
         scores = tl.where(visible, scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    p, alpha, m_new, l_i = online_softmax_step(scores, m_i, l_i)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
