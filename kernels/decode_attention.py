@@ -269,6 +269,35 @@ def _decode_split_kernel(
     )
 
 
+@triton.jit(do_not_specialize=["num_splits"])
+def _decode_any_splits_kernel(
+    query, k_cache, v_cache, out, partial_out, partial_lse, counters, seq_lens, block_tables, scale_log2,
+    k_scale, v_scale,
+    stride_q_seq, stride_q_head, stride_o_seq, stride_o_head,
+    stride_cache_block, stride_cache_pos, stride_cache_head, stride_table,
+    num_q_heads, num_splits,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, DOT_F16: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """The split kernel with the split count a runtime int and the splits merging themselves: one compiled
+    kernel for every count. Why: the decode rows of a mixed step launched apart from its prompt chunks (a
+    decode config whose warps differ from the prefill's) have a count that follows the step's decode rows;
+    a constexpr count compiled a kernel per count in the middle of a job (~1 s each). Same bits as
+    `_decode_split_kernel` (only integer bounds follow from the count). `partial_out`/`partial_lse` are
+    always the float32 partials, whatever the count (pointer types are specialised on)."""
+    pdl_prologue(USE_PDL)
+    decode_split_program(
+        tl.program_id(0), tl.program_id(1), tl.program_id(2),
+        query, k_cache, v_cache, out, partial_out, partial_lse, counters, seq_lens, block_tables, scale_log2,
+        k_scale, v_scale,
+        stride_q_seq, stride_q_head, stride_o_seq, stride_o_head,
+        stride_cache_block, stride_cache_pos, stride_cache_head, stride_table,
+        num_q_heads,
+        GROUP, BLOCK_H, BLOCK_SIZE, HEAD_DIM, BLOCK_N, num_splits, DOT_PRECISION, KV_FP8, DOT_F16, True,
+    )
+
+
 @triton.jit
 def _merge_partials(
     partial_out, partial_lse, slot0, row_mask, dims, num_splits, HEAD_DIM: tl.constexpr

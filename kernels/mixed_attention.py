@@ -31,6 +31,7 @@ import triton.language as tl
 from spmd_engine.kernels.attention_support import check_attention_inputs, dot_precision
 from spmd_engine.kernels.decode_attention import (
     DecodeConfig,
+    _decode_any_splits_kernel,
     _decode_merge_kernel,
     _decode_split_kernel,
     decode_block_h,
@@ -54,7 +55,9 @@ _LOG2_E = 1.4426950408889634
 # a mixed batch in one launch (False: the decode and prefill kernels back to back, the same bytes). Its
 # split count was a constexpr once, and on an empty Triton cache the 256-request bench compiled a variant
 # per count in its first mixed steps (docs/BENCHMARKS.md, session 5 call D: 17 steps x 403 ms); it is a
-# runtime argument now.
+# runtime argument now, in the two-launch path too (`_decode_any_splits_kernel`; before it, that path's
+# mixed steps took 153 ms against 19: session 10). H200, 256-request bench (session 10): two launches
+# 19.0-19.3 ms per mixed step against 19.15 for one, a tie, so one launch stays.
 ONE_LAUNCH = True
 
 
@@ -119,13 +122,14 @@ class PagedAttentionPlan:
     partial_shape: tuple[int, int, int, int]  # float32 split outputs [D_seqs, Hq, S, D] (log-sum-exps without D)
     share_partials: bool  # one pair for every layer (else a fresh pair per launch: see plan_paged_attention)
     counters: torch.Tensor | None  # arrival counters of the decode splits that merge themselves (mixed kernel too)
+    decode_any_splits: bool  # `decode` launches `_decode_any_splits_kernel` (a mixed step in two launches)
     partials: tuple[torch.Tensor, torch.Tensor] | None = None  # the shared pair, made by the first launch
 
     def _partials(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The split partials (with one split the kernel writes `out` directly: it stands in for both,
         except in the mixed kernel, whose pointer types must not follow the split count). Shared by every
         layer: stream order keeps one layer's merge before the next layer's splits."""
-        if self.partial_shape[2] == 1 and self.mixed is None:
+        if self.partial_shape[2] == 1 and self.mixed is None and not self.decode_any_splits:
             return out, out
         if self.partials is not None:
             return self.partials
@@ -150,7 +154,8 @@ class PagedAttentionPlan:
                 scale_log2, ks, vs, *self.strides, *ints, **meta)
         if self.decode is not None:
             grid, ints, meta = self.decode
-            _decode_split_kernel[grid](
+            kernel = _decode_any_splits_kernel if self.decode_any_splits else _decode_split_kernel
+            kernel[grid](
                 query, k_cache, v_cache, out, partial_out, partial_lse, self.counters if self.counters is not None else seq_lens, seq_lens, tables,
                 scale_log2, ks, vs, *self.strides, *ints, **meta)
         if self.merge is not None:
@@ -221,6 +226,7 @@ def plan_paged_attention(
                 num_warps=1 if head_dim <= 64 else 2, **pdl_launch(query.device)))
     prefill_grid = (math.ceil(max_query_len / pcfg.block_m), num_q_heads, num_prefill) if has_prefill else None
     mixed = decode = prefill = None
+    decode_any_splits = False
     if num_decode and has_prefill and fuse and dcfg.num_warps == pcfg.num_warps:
         num_q_tiles = prefill_grid[0]
         prefill_programs = num_q_tiles * num_q_heads * num_prefill
@@ -234,7 +240,15 @@ def plan_paged_attention(
             # the prompt chunks carry the step's compute: their pipelining (registers are the larger body's)
             num_warps=pcfg.num_warps, num_stages=pcfg.num_stages))
     else:
-        if num_decode:
+        if num_decode and has_prefill:
+            # a mixed step in two launches: the split count is a runtime int and the splits merge themselves
+            # (`_decode_any_splits_kernel`: one compiled kernel whatever the step's decode rows)
+            counters, merge = merge_counters(query.device, num_decode * num_kv_heads), None
+            decode_any_splits = True
+            decode = ((num_decode, num_kv_heads, num_splits), (num_q_heads, num_splits), dict(
+                **common, BLOCK_H=decode_meta["BLOCK_H"], BLOCK_N=dcfg.block_n,
+                num_warps=dcfg.num_warps, num_stages=dcfg.num_stages))
+        elif num_decode:
             # a decode-only step's splits merge themselves (the last arrival per (sequence, KV head); no launch)
             fused_merge = merge is not None and decode_attention.DECODE_FUSED_MERGE
             if fused_merge:
@@ -254,4 +268,5 @@ def plan_paged_attention(
                             block_tables[num_decode:])
     return PagedAttentionPlan(plan_key(query, k_cache, out, kv_fp8), kv_fp8, (cu_seqlens_q, seq_lens, block_tables),
                               prefill_metadata, strides, mixed, decode, prefill, merge,
-                              (num_decode, num_q_heads, num_splits, head_dim), share_partials, counters)
+                              (num_decode, num_q_heads, num_splits, head_dim), share_partials, counters,
+                              decode_any_splits)

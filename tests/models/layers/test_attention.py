@@ -138,5 +138,6 @@ def test_mixed_step_is_planned_once_and_launched_once_per_layer(monkeypatch, one
     assert len(plans) == 1
     # per layer: its one launch, then the two reference launches of the check
     launches = [name for name in launches if "store" not in name]  # the layer's KV store is one launch too
-    layer_launches = ["_mixed_paged_attention_kernel"] if one_launch else ["_decode_split_kernel", "_paged_prefill_kernel"]
+    layer_launches = (["_mixed_paged_attention_kernel"] if one_launch
+                      else ["_decode_any_splits_kernel", "_paged_prefill_kernel"])
     assert launches == (layer_launches + ["_decode_split_kernel", "_paged_prefill_kernel"]) * 3
