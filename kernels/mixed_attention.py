@@ -122,8 +122,12 @@ class PagedAttentionPlan:
     partial_shape: tuple[int, int, int, int]  # float32 split outputs [D_seqs, Hq, S, D] (log-sum-exps without D)
     share_partials: bool  # one pair for every layer (else a fresh pair per launch: see plan_paged_attention)
     counters: torch.Tensor | None  # arrival counters of the decode splits that merge themselves (mixed kernel too)
-    decode_any_splits: bool  # `decode` launches `_decode_any_splits_kernel` (a mixed step in two launches)
     partials: tuple[torch.Tensor, torch.Tensor] | None = None  # the shared pair, made by the first launch
+
+    @property
+    def decode_any_splits(self) -> bool:
+        """A mixed step in two launches: `decode` launches `_decode_any_splits_kernel` (runtime split count)."""
+        return self.decode is not None and self.prefill is not None
 
     def _partials(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The split partials (with one split the kernel writes `out` directly: it stands in for both,
@@ -226,7 +230,6 @@ def plan_paged_attention(
                 num_warps=1 if head_dim <= 64 else 2, **pdl_launch(query.device)))
     prefill_grid = (math.ceil(max_query_len / pcfg.block_m), num_q_heads, num_prefill) if has_prefill else None
     mixed = decode = prefill = None
-    decode_any_splits = False
     if num_decode and has_prefill and fuse and dcfg.num_warps == pcfg.num_warps:
         num_q_tiles = prefill_grid[0]
         prefill_programs = num_q_tiles * num_q_heads * num_prefill
@@ -244,7 +247,6 @@ def plan_paged_attention(
             # a mixed step in two launches: the split count is a runtime int and the splits merge themselves
             # (`_decode_any_splits_kernel`: one compiled kernel whatever the step's decode rows)
             counters, merge = merge_counters(query.device, num_decode * num_kv_heads), None
-            decode_any_splits = True
             decode = ((num_decode, num_kv_heads, num_splits), (num_q_heads, num_splits), dict(
                 **common, BLOCK_H=decode_meta["BLOCK_H"], BLOCK_N=dcfg.block_n,
                 num_warps=dcfg.num_warps, num_stages=dcfg.num_stages))
@@ -268,5 +270,4 @@ def plan_paged_attention(
                             block_tables[num_decode:])
     return PagedAttentionPlan(plan_key(query, k_cache, out, kv_fp8), kv_fp8, (cu_seqlens_q, seq_lens, block_tables),
                               prefill_metadata, strides, mixed, decode, prefill, merge,
-                              (num_decode, num_q_heads, num_splits, head_dim), share_partials, counters,
-                              decode_any_splits)
+                              (num_decode, num_q_heads, num_splits, head_dim), share_partials, counters)
