@@ -74,14 +74,17 @@ class FaultInjector:
             time.sleep(1)
 
 
-def compute_for(seconds: float) -> None:
+def compute_for(seconds: float) -> int:
     """Keep this thread computing for `seconds` as a forward does: CPU-bound ops, one after another
-    (a host spinning in one place is a wait, not progress, to the watchdog)."""
+    (a host spinning in one place is a wait, not progress, to the watchdog). Returns the rounds run."""
     import torch
 
     x = torch.randn(96, 96, generator=torch.Generator().manual_seed(0))
     end = time.monotonic() + seconds
+    rounds = 0
     while time.monotonic() < end:
         x = torch.tanh(x @ x)
         x = torch.sigmoid(x @ x.T)
         x = torch.softmax(x @ x, dim=-1)
+        rounds += 1
+    return rounds
