@@ -1,4 +1,5 @@
 import time
+import types
 
 import pytest
 
@@ -36,7 +37,8 @@ def test_slow_computes_on_every_rank_when_rank_is_minus_one(monkeypatch):
     rounds = []
     compute_for = injection.compute_for
     monkeypatch.setattr(injection, "compute_for", lambda s: rounds.append(compute_for(s)))
-    monkeypatch.setattr(injection.time, "sleep", lambda s: pytest.fail(f"slow slept {s} s"))
+    no_sleep = types.SimpleNamespace(monotonic=time.monotonic, sleep=lambda s: pytest.fail(f"slow slept {s} s"))
+    monkeypatch.setattr(injection, "time", no_sleep)  # the module's clock only, not the process's
     cfg = {"rank": -1, "step": 2, "kind": "slow", "seconds": 0.3}
     for rank in (0, 1, 2):
         slow = FaultInjector.from_config(cfg, my_rank=rank)
