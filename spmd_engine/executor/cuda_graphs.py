@@ -45,9 +45,10 @@ def smallest_holding(sizes: list[int], n: int) -> int:
 
 
 def decode_step(model: torch.nn.Module, batch: ForwardBatch) -> torch.Tensor | None:
-    """What one graph records: forward over every (padded) row, then logits for every row."""
+    """What one graph records: forward over every (padded) row, then logits for every row in
+    `logits_indices` order (the sampled rows first, in plan order: the batch is longest-first)."""
     hidden = model(batch.input_ids, batch.positions, batch.attn)
-    return model.compute_logits(hidden)
+    return model.compute_logits(hidden.index_select(0, batch.logits_indices))
 
 
 @dataclass
@@ -113,7 +114,7 @@ class DecodeGraphs:
         rows = self.padded_size(host.num_seqs)
         return rows, self.buffers.load(host, rows=rows)
 
-    def replay(self, rows: int, host: HostBatch, batch: ForwardBatch) -> torch.Tensor | None:
+    def replay(self, rows: int, host: HostBatch) -> torch.Tensor | None:
         """Replay graph `rows`; logits of the sampled rows on tp rank 0.
 
         The logits are a view of the graph's static output: valid until the next replay.
@@ -123,14 +124,12 @@ class DecodeGraphs:
         self.num_replays += 1
         if captured.logits is None:
             return None
-        if self.samples_every_row(host):
-            return captured.logits[: host.num_seqs]
-        return captured.logits.index_select(0, batch.logits_indices)
+        return captured.logits[: len(host.logits_indices)]
 
     @staticmethod
     def samples_every_row(host: HostBatch) -> bool:
-        """Every row samples (a pure decode step): `replay`'s logits are then the first num_seqs rows
-        of the graph's static output (what the sampler graphs read), else a gathered copy."""
+        """Every row samples (a pure decode step): what the sampler graphs draw, the first num_seqs rows
+        of the graph's static output."""
         return len(host.logits_indices) == host.num_seqs
 
     def static_logits(self) -> dict[int, torch.Tensor]:

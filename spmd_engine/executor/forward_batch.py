@@ -124,25 +124,31 @@ class ForwardBatch:
         self.input_ids.index_copy_(0, self.deferred_positions, prev_tokens.index_select(0, self.deferred_rows))
 
 
-def decode_first_order(query_lens: np.ndarray) -> np.ndarray | None:
-    """The batch order of a plan's sequences: the query-length-1 ones first, each group in plan
-    order, so attention runs them as one contiguous decode slice; None when the plan already is."""
+def batch_order(query_lens: np.ndarray, seq_lens: np.ndarray) -> np.ndarray | None:
+    """The batch order of a plan's sequences; None when it is the plan's own.
+
+    The query-length-1 ones first, so attention runs them as one contiguous decode slice, longest
+    context first (ties in plan order): the decode kernel starts its programs in row order, and a step's
+    contexts differ by up to 20x, so a long row started last would run on alone after the others
+    (longest first, the short rows fill the tail). The prompt chunks follow in plan order. A row's
+    bits do not depend on its place in the batch; the sampled rows (`logits_indices`) stay in plan order."""
     single = query_lens == 1
-    num_decode = int(single.sum())
-    if single[:num_decode].all():
+    key = np.where(single, -seq_lens.astype(np.int64), 1)  # decode rows by descending length, then the rest
+    order = np.argsort(key, kind="stable")
+    if (order == np.arange(len(order))).all():
         return None
-    return np.argsort(~single, kind="stable")
+    return order
 
 
 def build_host_batch(plan: StepPlan, block_tables: np.ndarray, block_size: int) -> HostBatch:
-    """The step's arrays in batch order (decode rows first, see `decode_first_order`); the sampled
-    rows (`logits_indices`) stay in plan order, so logits row j is the plan's j-th sampled sequence."""
-    if plan.is_decode:
-        return _decode_host_batch(plan, block_tables, block_size)
-    order = decode_first_order(plan.query_lens)
-    q_plan = plan.query_lens.astype(np.int64)
-    q = q_plan if order is None else q_plan[order]
+    """The step's arrays in batch order (decode rows first, longest first: see `batch_order`); the
+    sampled rows (`logits_indices`) stay in plan order, so logits row j is the plan's j-th sampled sequence."""
     num_computed = plan.num_computed.astype(np.int64)
+    q_plan = plan.query_lens.astype(np.int64)
+    order = batch_order(plan.query_lens, num_computed + q_plan)
+    if plan.is_decode:
+        return _decode_host_batch(plan, block_tables, block_size, order)
+    q = q_plan if order is None else q_plan[order]
     if order is not None:
         num_computed, block_tables = num_computed[order], block_tables[order]
     cu = np.zeros(len(q) + 1, dtype=np.int64)
@@ -185,27 +191,36 @@ def build_host_batch(plan: StepPlan, block_tables: np.ndarray, block_size: int) 
     )
 
 
-def _decode_host_batch(plan: StepPlan, block_tables: np.ndarray, block_size: int) -> HostBatch:
-    """One token per sequence: the same arrays without the varlen bookkeeping (the common step)."""
+def _decode_host_batch(plan: StepPlan, block_tables: np.ndarray, block_size: int,
+                       order: np.ndarray | None) -> HostBatch:
+    """One token per sequence: the same arrays without the varlen bookkeeping (the common step).
+    Sequence = token = row, so a reorder is one permutation (`order`: batch row -> plan row)."""
     num = plan.num_seqs
     positions = plan.num_computed.astype(np.int64)
+    input_ids = plan.input_ids.astype(np.int64)
+    rows = np.arange(num + 1, dtype=np.int64)
+    plan_rows = rows[:-1]  # the batch row of each plan row
+    if order is not None:
+        positions, input_ids, block_tables = positions[order], input_ids[order], block_tables[order]
+        plan_rows = np.empty(num, dtype=np.int64)
+        plan_rows[order] = rows[:-1]
     blocks = block_tables[np.arange(num), positions // block_size].astype(np.int64)
     seq_lens = (positions + 1).astype(np.int32)
-    rows = np.arange(num + 1, dtype=np.int64)
     return HostBatch(
-        input_ids=plan.input_ids.astype(np.int64),
+        input_ids=input_ids,
         positions=positions,
         slot_mapping=blocks * block_size + positions % block_size,
         cu_seqlens_q=rows.astype(np.int32),
         seq_lens=seq_lens,
         block_tables=block_tables,
-        logits_indices=rows[:-1][plan.sample],
+        logits_indices=plan_rows[plan.sample],
         max_query_len=1,
         max_seq_len=int(seq_lens.max()),
         is_decode=True,
-        deferred_positions=plan.deferred_positions.astype(np.int64),
+        deferred_positions=plan_rows[plan.deferred_positions.astype(np.int64)],
         deferred_rows=plan.deferred_rows.astype(np.int64),
         num_decode_seqs=num,
+        token_rows=None if order is None else plan_rows,
     )
 
 

@@ -72,12 +72,14 @@ class InputBuffers:
     def load(self, host: HostBatch, rows: int | None = None, pad_tokens: int | None = None) -> ForwardBatch:
         """Stage `host` and copy it to the device; return device views of this step's inputs.
 
-        `rows` pads a decode batch to that many sequences (one token each): padded rows have slot
-        -1 (nothing stored) and seq_len 0 (the decode kernel returns zeros for them). `pad_tokens`
+        `rows` pads a decode batch to that many sequences (one token each) for the decode graph of that
+        size: padded rows have slot -1 (nothing stored) and seq_len 0 (the decode kernel returns zeros for
+        them), and `logits_indices` spans all `rows` (the sampled rows first, in plan order). `pad_tokens`
         pads only the token fields to that many tokens (input 0, position 0, slot -1) and the unused
         logits rows to row 0 (the piecewise graphs); the returned views stay the real step's.
         """
         num_seqs, num_tokens = host.num_seqs, host.num_tokens
+        for_graph = rows is not None
         rows = num_seqs if rows is None else rows
         if rows != num_seqs and not (host.is_decode and rows > num_seqs):
             raise ValueError(f"only a decode batch can be padded, got {num_seqs} seqs -> {rows} rows")
@@ -102,6 +104,9 @@ class InputBuffers:
                     a[spec.name][num_tokens:pad_tokens] = spec.pad
             a["logits_indices"][len(host.logits_indices):] = 0
         num_logits, num_deferred = len(host.logits_indices), len(host.deferred_positions)
+        if for_graph:  # a decode graph gathers the hidden rows of logits_indices[:rows]: past the sampled
+            a["logits_indices"][num_logits:rows] = np.arange(num_logits, rows)  # rows, real ones' logits unread
+            num_logits = rows
         tables = self.fields["block_tables"]
         end = tables.offset + rows * self.max_blocks * 4
         self.dev[:end].copy_(self.host[:end], non_blocking=True)

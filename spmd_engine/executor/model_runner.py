@@ -254,7 +254,7 @@ class ModelRunner:
             batch.fill_deferred(self._share_tokens(prev_tokens, plan.num_prev_sampled))
         self.last_prompt_logits = None
         if staged.graph_rows is not None:
-            return self.graphs.replay(staged.graph_rows, staged.host, batch)
+            return self.graphs.replay(staged.graph_rows, staged.host)
         if staged.piecewise_tokens is not None:
             return self.piecewise.replay(staged.piecewise_tokens, staged.host, batch)
         hidden = self.model(batch.input_ids, batch.positions, batch.attn)

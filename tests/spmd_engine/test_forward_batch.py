@@ -38,12 +38,26 @@ def test_decode_first_plan_keeps_its_order():
     assert hb.block_tables is tables
 
 
-def test_pure_decode_step_is_flagged():
+def test_pure_decode_step_is_flagged_and_runs_longest_first():
+    """The longer context first in the batch (the decode kernel starts rows in batch order); logits row j
+    is still the plan's j-th sequence."""
     plan = StepPlan(step=3, seq_ids=np.array([1, 2]), num_computed=np.array([4, 7], dtype=np.int32),
                     query_lens=np.array([1, 1], dtype=np.int32), input_ids=np.array([5, 6], dtype=np.int32),
                     sample=np.array([True, True]))
     hb = build_host_batch(plan, np.array([[0, 1], [2, 3]], dtype=np.int32), block_size=4)
-    assert hb.is_decode and hb.positions.tolist() == [4, 7] and hb.slot_mapping.tolist() == [4, 15]
+    assert hb.is_decode and hb.positions.tolist() == [7, 4] and hb.slot_mapping.tolist() == [15, 4]
+    assert hb.input_ids.tolist() == [6, 5] and hb.seq_lens.tolist() == [8, 5]
+    assert hb.block_tables.tolist() == [[2, 3], [0, 1]]
+    assert hb.logits_indices.tolist() == [1, 0] and hb.token_rows.tolist() == [1, 0]
+
+
+def test_decode_rows_order_by_length_ties_in_plan_order_prompt_chunks_after():
+    from spmd_engine.executor.forward_batch import batch_order
+
+    query_lens = np.array([1, 3, 1, 1, 2, 1])
+    seq_lens = np.array([5, 9, 8, 5, 40, 12])
+    assert batch_order(query_lens, seq_lens).tolist() == [5, 2, 0, 3, 1, 4]
+    assert batch_order(np.array([1, 1, 4]), np.array([9, 9, 3])) is None  # already in that order
 
 
 def test_deferred_inputs_are_filled_from_the_previous_steps_tokens():
@@ -58,7 +72,7 @@ def test_deferred_inputs_are_filled_from_the_previous_steps_tokens():
     host = build_host_batch(plan, np.array([[0, 1], [2, 3], [4, 0]], dtype=np.int32), block_size=4)
     batch = to_device(host, 4, torch.device("cpu"))
     batch.fill_deferred(torch.tensor([70, 71, 72]))
-    assert batch.input_ids.tolist() == [72, 6, 8, 9]
+    assert batch.input_ids.tolist() == [6, 72, 8, 9]  # batch order: the decodes longest first (8, 5), then the chunk
     with pytest.raises(RuntimeError, match="none were given"):
         batch.fill_deferred(None)
 

@@ -38,7 +38,7 @@ def test_load_matches_a_fresh_copy_and_reuses_the_same_memory():
     second = buffers.load(decode_host(2))
     assert second.input_ids.data_ptr() == first.input_ids.data_ptr()
     assert second.attn.block_tables.data_ptr() == first.attn.block_tables.data_ptr()
-    assert second.input_ids.tolist() == [40, 41] and second.attn.seq_lens.tolist() == [6, 7]
+    assert second.input_ids.tolist() == [41, 40] and second.attn.seq_lens.tolist() == [7, 6]  # longest first
 
 
 def test_padded_decode_rows_store_nothing_and_read_nothing():
@@ -49,7 +49,8 @@ def test_padded_decode_rows_store_nothing_and_read_nothing():
     assert batch.input_ids.shape == (8,) and a.block_tables.shape == (8, 3)
     assert a.slot_mapping[3:].tolist() == [-1] * 5 and a.seq_lens[3:].tolist() == [0] * 5
     assert a.cu_seqlens_q.tolist() == list(range(9))
-    assert batch.logits_indices.tolist() == [0, 1, 2] and a.is_decode
+    # a graph gathers logits_indices[:8]: the plan's rows (in the batch longest first), then the padding rows
+    assert batch.logits_indices.tolist() == [2, 1, 0, 3, 4, 5, 6, 7] and a.is_decode
 
 
 def test_only_decode_batches_pad_and_capacity_is_checked():
