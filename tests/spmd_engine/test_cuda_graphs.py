@@ -77,6 +77,36 @@ def test_padded_decode_gives_the_same_logits_and_kv(runner):
         torch.testing.assert_close(k[real], before[real])
 
 
+def test_longest_first_batch_gives_the_plan_order_logits_of_row_order(runner, monkeypatch):
+    """The batch runs longest first (`batch_order`), yet logits row j is the plan's j-th sequence, with the
+    bits of the batch in plan order: no row's result depends on its place in the batch."""
+    import spmd_engine.executor.forward_batch as forward_batch
+
+    lens = [5, 9, 3]
+    blocks = [[3, 17], [8, 1, 30], [22]]
+    prefill = StepPlan(step=0, seq_ids=np.arange(3), num_computed=np.zeros(3, dtype=np.int32),
+                       query_lens=np.array(lens, dtype=np.int32),
+                       input_ids=np.random.default_rng(1).integers(0, 97, sum(lens)).astype(np.int32),
+                       sample=np.ones(3, dtype=bool), reset_tables=np.ones(3, dtype=bool),
+                       new_block_counts=np.array([len(b) for b in blocks], dtype=np.int32),
+                       new_block_ids=np.array(sum(blocks, []), dtype=np.int32))
+    runner.execute(prefill)
+    decode = StepPlan(step=1, seq_ids=np.arange(3), num_computed=np.array(lens, dtype=np.int32),
+                      query_lens=np.ones(3, dtype=np.int32), input_ids=np.array([5, 6, 7], dtype=np.int32),
+                      sample=np.ones(3, dtype=bool), reset_tables=np.zeros(3, dtype=bool),
+                      new_block_counts=np.zeros(3, dtype=np.int32), new_block_ids=np.zeros(0, dtype=np.int32))
+    tables = runner.mirror.apply(decode)
+    longest_first = build_host_batch(decode, tables, BLOCK)
+    assert longest_first.seq_lens.tolist() == [10, 6, 4] and longest_first.logits_indices.tolist() == [1, 0, 2]
+    monkeypatch.setattr(forward_batch, "batch_order", lambda query_lens, seq_lens: None)
+    plan_order = build_host_batch(decode, tables, BLOCK)
+    assert plan_order.seq_lens.tolist() == [6, 10, 4]
+    with torch.inference_mode():
+        a = decode_step(runner.model, to_device(longest_first, BLOCK, runner.device))
+        b = decode_step(runner.model, to_device(plan_order, BLOCK, runner.device))
+    assert torch.equal(a, b)
+
+
 def test_no_graphs_and_no_staging_buffers_on_cpu(runner):
     assert runner.graphs is None and runner.inputs is None and not runner.use_graphs
 
