@@ -29,6 +29,9 @@ from spmd_engine.kernels.kv_quant import check_kv_scales
 from spmd_engine.kernels.paged_kv_tile import (
     fp8_dot_in_f16,
     fp8_dot_operand,
+    fp8_v_operand,
+    fp8_v_pair_rows,
+    fp8_v_rows,
     online_softmax_step,
     paged_tile,
 )
@@ -133,7 +136,6 @@ def _attend_fp8_in_chunks(
         _, valid, rows = paged_tile(block_table_row, tile_start, end, stride_cache_block, stride_cache_pos,
                                     BLOCK_SIZE, BLOCK_N, False)  # signed: faster here (paged_tile_offsets)
         k_chunks = k_cache + (rows[:, None] + kv_head_offset + dc[None, :])
-        v_chunks = v_cache + (rows[:, None] + kv_head_offset + dc[None, :])
         live = valid[:, None]
         scores = tl.dot(q0, tl.trans(tl.load(k_chunks, mask=live, other=0.0).to(tl.float16)))
         scores = tl.dot(q1, tl.trans(tl.load(k_chunks + FP8_CHUNK, mask=live, other=0.0).to(tl.float16)), scores)
@@ -142,10 +144,19 @@ def _attend_fp8_in_chunks(
         scores = tl.where(valid[None, :], scores * scale_log2, float("-inf"))
         p, alpha, m_i, l_i = online_softmax_step(scores, m_i, l_i)
         p = p.to(tl.float16)
-        a0 = a0 * alpha[:, None] + tl.dot(p, tl.load(v_chunks, mask=live, other=0.0).to(tl.float16))
-        a1 = a1 * alpha[:, None] + tl.dot(p, tl.load(v_chunks + FP8_CHUNK, mask=live, other=0.0).to(tl.float16))
-        a2 = a2 * alpha[:, None] + tl.dot(p, tl.load(v_chunks + 2 * FP8_CHUNK, mask=live, other=0.0).to(tl.float16))
-        a3 = a3 * alpha[:, None] + tl.dot(p, tl.load(v_chunks + 3 * FP8_CHUNK, mask=live, other=0.0).to(tl.float16))
+        # V by pairs of positions (kv_quant.FP8_V_LAYOUT): a chunk is [BLOCK_N / 2, 2 * chunk] bytes
+        pair_valid, pair_rows = fp8_v_pair_rows(block_table_row, tile_start, end, stride_cache_block,
+                                                stride_cache_pos, BLOCK_SIZE, BLOCK_N)
+        v_pairs = v_cache + (pair_rows[:, None] + 2 * kv_head_offset + tl.arange(0, 2 * FP8_CHUNK)[None, :])
+        pair_live = pair_valid[:, None]
+        a0 = a0 * alpha[:, None] + tl.dot(
+            p, fp8_v_operand(tl.load(v_pairs, mask=pair_live, other=0.0), BLOCK_N, FP8_CHUNK))
+        a1 = a1 * alpha[:, None] + tl.dot(
+            p, fp8_v_operand(tl.load(v_pairs + 2 * FP8_CHUNK, mask=pair_live, other=0.0), BLOCK_N, FP8_CHUNK))
+        a2 = a2 * alpha[:, None] + tl.dot(
+            p, fp8_v_operand(tl.load(v_pairs + 4 * FP8_CHUNK, mask=pair_live, other=0.0), BLOCK_N, FP8_CHUNK))
+        a3 = a3 * alpha[:, None] + tl.dot(
+            p, fp8_v_operand(tl.load(v_pairs + 6 * FP8_CHUNK, mask=pair_live, other=0.0), BLOCK_N, FP8_CHUNK))
     # [BLOCK_H, chunk] x 4 -> [BLOCK_H, HEAD_DIM]: join gives [H, c, 2, 2] with a0 a1 / a2 a3 at (i, j) = c index 2i + j
     acc = tl.reshape(tl.permute(tl.join(tl.join(a0, a2), tl.join(a1, a3)), (0, 2, 3, 1)), [BLOCK_H, HEAD_DIM])
     return acc, l_i, m_i
@@ -195,10 +206,12 @@ def decode_split_program(
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
         for tile_start in range(start, end, BLOCK_N):
-            _, valid, rows = paged_tile(block_table_row, tile_start, end, stride_cache_block, stride_cache_pos,
-                                        BLOCK_SIZE, BLOCK_N)
+            positions, valid, rows = paged_tile(block_table_row, tile_start, end, stride_cache_block,
+                                                stride_cache_pos, BLOCK_SIZE, BLOCK_N)
             offsets = rows[:, None] + kv_head_offset + dims[None, :]
             k = tl.load(k_cache + offsets, mask=valid[:, None], other=0.0)
+            if KV_FP8:  # pairs of positions (kv_quant.FP8_V_LAYOUT)
+                offsets = fp8_v_rows(rows, positions, stride_cache_pos)[:, None] + 2 * (kv_head_offset + dims[None, :])
             v = tl.load(v_cache + offsets, mask=valid[:, None], other=0.0)
             if KV_FP8 and not DOT_F16:  # float32 model: upcast exactly, dot in float32
                 k = k.to(tl.float32)

@@ -2,7 +2,7 @@
 
 A quantized cache stores `clamp(x / scale, -448, 448)` rounded to float8_e4m3fn; reading it back
 is `fp8.float() * scale`. Scales are float32 tensors [num_kv_heads] per layer, one for K and one
-for V. Every scale the engine makes is a power of two, so dividing and multiplying by it are exact
+for V. An fp8 V cache stores positions in pairs (`FP8_V_LAYOUT`, below); K keeps the plain layout. Every scale the engine makes is a power of two, so dividing and multiplying by it are exact
 and the torch reference and the Triton store kernel write bit-identical bytes. Plain torch only:
 this module is imported on the CPU path too.
 """
@@ -16,8 +16,36 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value; larger magnitudes are clamped (saturated)
 
 
+# The fp8 V cache's layout. Each [block_size, Hkv, D] block holds [block_size / 2, Hkv, D, 2]: the two
+# positions 2j and 2j + 1 of a (head, dim) side by side. Why: the P.V dot's operand holds two positions of
+# one dim in one register; from a plain layout Triton fetched them as two byte loads from shared memory
+# (128 per thread per tile), from pairs as one 16-bit load. H200, B = 256 x 2,048 (docs/BENCHMARKS.md,
+# session 10): 400.8 -> 378.8 us per decode call, the same output bits. The K cache keeps the plain
+# layout (q.k's operand pairs two dims of one position, adjacent already). The tensor keeps the
+# [N, block_size, Hkv, D] shape and strides; only the order of the bytes in a block differs.
+FP8_V_LAYOUT = "pairs of positions: [block, block_size / 2, Hkv, D, 2]"
+
+
 def is_fp8(dtype: torch.dtype) -> bool:
     return dtype == FP8_DTYPE
+
+
+def v_pairs(v_cache: torch.Tensor) -> torch.Tensor:
+    """An fp8 V cache [N, bs, Hkv, D] as its stored layout [N, bs / 2, Hkv, D, 2] (a view)."""
+    n, block_size, heads, dim = v_cache.shape
+    return v_cache.view(n, block_size // 2, heads, dim, 2)
+
+
+def read_v_blocks(v_cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """Blocks of an fp8 V cache in position order: [len(blocks), bs, Hkv, D] (a copy)."""
+    n, block_size, heads, dim = v_cache.shape
+    return v_pairs(v_cache)[blocks].permute(0, 1, 4, 2, 3).reshape(len(blocks), block_size, heads, dim)
+
+
+def write_v_positions(v_cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor,
+                      values: torch.Tensor) -> None:
+    """v_cache[blocks[i], offsets[i]] = values[i] ([T, Hkv, D], already float8) in the pair layout."""
+    v_pairs(v_cache)[blocks, offsets // 2, :, :, offsets % 2] = values
 
 
 def quantize_fp8_reference(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -44,7 +72,10 @@ def check_kv_scales(
         if k_scale is not None or v_scale is not None:
             raise ValueError(f"{kernel}: k_scale/v_scale are only for a float8_e4m3fn cache, got {k_cache.dtype}")
         return False
-    num_kv_heads = k_cache.shape[2]
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    if block_size % 2 or k_cache.stride()[1:] != (num_kv_heads * head_dim, head_dim, 1):
+        raise ValueError(f"{kernel}: a float8_e4m3fn KV cache needs an even block_size and contiguous blocks "
+                         f"(V stores pairs of positions), got block_size {block_size}, strides {k_cache.stride()}")
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
         if scale is None:
             raise ValueError(f"{kernel}: a float8_e4m3fn KV cache needs {name} ([{num_kv_heads}] float32)")

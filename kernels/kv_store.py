@@ -5,7 +5,7 @@ so the launch shape depends only on the token count (safe inside a captured CUDA
 float8_e4m3fn cache is written as `x / scale` per KV head, saturated at +-448 and rounded to
 nearest-even in float32 arithmetic first (`_round_to_e4m3`), so the final cast is exact: the bytes
 equal torch's `.to(float8_e4m3fn)` on CUDA and under TRITON_INTERPRET (whose own float->fp8 cast
-drops the carry of a rounded-up mantissa).
+drops the carry of a rounded-up mantissa); its V goes in pairs of positions (`kv_quant.FP8_V_LAYOUT`).
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from spmd_engine.kernels.kv_quant import FP8_MAX, check_kv_scales
+from spmd_engine.kernels.paged_kv_tile import fp8_v_offset
 from spmd_engine.kernels.pdl import pdl_launch, pdl_prologue
 
 _E4M3_MAX = tl.constexpr(FP8_MAX)
@@ -72,16 +73,19 @@ def _store_kv_kernel(
     tok = token.to(tl.int64)
     src_k = tl.load(key + tok * stride_key_tok + heads * stride_key_head + dims, mask=mask)
     src_v = tl.load(value + tok * stride_value_tok + heads * stride_value_head + dims, mask=mask)
-    dst = (slot // block_size) * stride_cache_block + (slot % block_size) * stride_cache_pos
-    dst = dst + heads * stride_cache_head + dims
+    block = (slot // block_size) * stride_cache_block
+    offset = slot % block_size
+    dst = block + offset * stride_cache_pos + heads * stride_cache_head + dims
+    v_dst = dst
     if QUANTIZE:  # IEEE division (div_rn, not the approximate `/`): the bytes torch writes, for any scale
         per_head = heads + 0 * dims  # [BLOCK_H, BLOCK_D]: each head's scale across its row
         k_scale_row = tl.load(k_scale + per_head, mask=mask, other=1.0)
         v_scale_row = tl.load(v_scale + per_head, mask=mask, other=1.0)
         src_k = _round_to_e4m3(tl.math.div_rn(src_k.to(tl.float32), k_scale_row))
         src_v = _round_to_e4m3(tl.math.div_rn(src_v.to(tl.float32), v_scale_row))
+        v_dst = block + fp8_v_offset(offset, heads * stride_cache_head + dims, stride_cache_pos)
     tl.store(k_cache + dst, src_k.to(k_cache.dtype.element_ty), mask=mask)
-    tl.store(v_cache + dst, src_v.to(v_cache.dtype.element_ty), mask=mask)
+    tl.store(v_cache + v_dst, src_v.to(v_cache.dtype.element_ty), mask=mask)
 
 
 def store_kv(

@@ -9,6 +9,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from spmd_engine.kernels.kv_quant import FP8_MAX
+
+E4M3_MAX = tl.constexpr(FP8_MAX)
+
 
 @triton.jit
 def paged_tile_offsets(
@@ -57,6 +61,48 @@ def paged_tile(
     rows = paged_tile_offsets(block_table_row, tile_start, positions, valid, stride_block, stride_pos,
                               BLOCK_SIZE, BLOCK_N, UNSIGNED)
     return positions, valid, rows
+
+
+@triton.jit
+def fp8_v_offset(offset, head_dim_offset, stride_pos):
+    """Element offset, from its block's start, of position `offset` (in the block) at `head_dim_offset`
+    (head * stride_head + dim) in an fp8 V cache, which stores pairs of positions (`kv_quant.FP8_V_LAYOUT`):
+    the pair's two values of a (head, dim) side by side."""
+    return (offset - offset % 2) * stride_pos + offset % 2 + 2 * head_dim_offset
+
+
+@triton.jit
+def fp8_v_rows(rows, positions, stride_pos):
+    """`paged_tile`'s row offsets turned into an fp8 V cache's (pairs of positions); a row's (head, dim)
+    offset then counts twice: add 2 * (head * stride_head + dim)."""
+    return rows + (positions % 2) * (1 - stride_pos)
+
+
+@triton.jit
+def fp8_v_pair_rows(
+    block_table_row, tile_start, end, stride_block, stride_pos, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """The tile's pairs of positions in an fp8 V cache (`kv_quant.FP8_V_LAYOUT`): (valid [BLOCK_N / 2], the
+    pair rows' element offsets [BLOCK_N / 2]). A pair row of one head is contiguous (2 * head_dim values,
+    from 2 * (head * stride_head)). A pair is valid when its first position is (< end): a pair is whole or
+    past the end, but for an odd end's partner, which `fp8_v_operand` makes finite."""
+    pair_positions = tile_start + 2 * tl.arange(0, BLOCK_N // 2)
+    valid = pair_positions < end
+    rows = paged_tile_offsets(block_table_row, tile_start, pair_positions, valid, stride_block, stride_pos,
+                              BLOCK_SIZE, BLOCK_N)
+    return valid, rows
+
+
+@triton.jit
+def fp8_v_operand(pairs, BLOCK_N: tl.constexpr, WIDTH: tl.constexpr):
+    """V pair rows [BLOCK_N / 2, 2 * WIDTH] (float8) -> [BLOCK_N, WIDTH] float16, the P.V dot's operand,
+    whose registers hold exactly such pairs (no byte shuffle). An e4m3 NaN byte (an odd end's partner: a
+    stale or never written slot; its p is 0 but 0 * NaN is NaN) becomes 448 by a min, which leaves every
+    finite e4m3 value as it is (|x| <= 448) for one instruction per pair (masking by position sent the tile
+    through shared memory). The GPU's min returns the non-NaN operand; TRITON_INTERPRET's propagates NaN."""
+    x = tl.permute(tl.reshape(pairs, [BLOCK_N // 2, WIDTH, 2]), (0, 2, 1))
+    x = tl.reshape(x, [BLOCK_N, WIDTH]).to(tl.float16)
+    return tl.minimum(x, tl.full([BLOCK_N, WIDTH], E4M3_MAX, tl.float16))
 
 
 @triton.jit

@@ -18,10 +18,13 @@ import triton.language as tl
 from spmd_engine.kernels.attention_support import check_attention_inputs, dot_precision, supports_shape
 from spmd_engine.kernels.kv_quant import check_kv_scales
 from spmd_engine.kernels.paged_kv_tile import (
+    E4M3_MAX,
     fp8_dot_in_f16,
     fp8_dot_operand,
+    fp8_v_pair_rows,
     online_softmax_step,
     paged_tile,
+    paged_tile_offsets,
 )
 from spmd_engine.kernels.pdl import pdl_launch, pdl_prologue
 
@@ -55,25 +58,57 @@ def _attend_tile(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
-    positions, valid, rows = paged_tile(block_table_row, tile_start, seq_len, stride_block, stride_pos, BLOCK_SIZE,
-                                        BLOCK_N)
+    if KV_FP8:
+        # the tile's keys as its even positions, then its odd ones: V's pair rows (kv_quant.FP8_V_LAYOUT) split
+        # by parity then stack in that order, each thread's 16 loaded bytes giving two 8-wide row pieces, and
+        # K's rows (a gather by position anyway) follow the same order, so P splits by column halves. Why: a
+        # [BLOCK_N, HEAD_DIM] operand in position order re-interleaved the pairs through 32-bit shared stores,
+        # 616 us per 16 x 1,024 prefill on the H200 against 364 us this way (the plain layout's: 333 us;
+        # docs/BENCHMARKS.md, session 12). The keys' order changes only the float32 sums' rounding.
+        keys = tl.arange(0, BLOCK_N)
+        positions = tile_start + tl.where(keys < BLOCK_N // 2, 2 * keys, 2 * keys - (BLOCK_N - 1))
+        valid = positions < seq_len
+        rows = paged_tile_offsets(block_table_row, tile_start, positions, valid, stride_block, stride_pos,
+                                  BLOCK_SIZE, BLOCK_N)
+    else:
+        positions, valid, rows = paged_tile(block_table_row, tile_start, seq_len, stride_block, stride_pos,
+                                            BLOCK_SIZE, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
     offsets = rows[:, None] + kv_head_offset + dims[None, :]
     if MASKED:
         k = tl.load(k_cache + offsets, mask=valid[:, None], other=0.0)
-        v = tl.load(v_cache + offsets, mask=valid[:, None], other=0.0)
     else:
         k = tl.load(k_cache + offsets)
+    if KV_FP8:
+        pair_valid, pair_rows = fp8_v_pair_rows(block_table_row, tile_start, seq_len, stride_block, stride_pos,
+                                                BLOCK_SIZE, BLOCK_N)
+        pairs = v_cache + (pair_rows[:, None] + 2 * kv_head_offset + tl.arange(0, 2 * HEAD_DIM)[None, :])
+        if MASKED:
+            raw = tl.load(pairs, mask=pair_valid[:, None], other=0.0)
+        else:
+            raw = tl.load(pairs)
+        v_even, v_odd = tl.split(tl.reshape(raw, [BLOCK_N // 2, HEAD_DIM, 2]))
+        v_even = v_even.to(q.dtype)
+        v_odd = v_odd.to(q.dtype)
+        if MASKED:  # an odd end's partner (a stale or unwritten byte, maybe NaN; its p is 0): made finite
+            v_odd = tl.minimum(v_odd, tl.full([BLOCK_N // 2, HEAD_DIM], E4M3_MAX, q.dtype))
+    elif MASKED:
+        v = tl.load(v_cache + offsets, mask=valid[:, None], other=0.0)
+    else:
         v = tl.load(v_cache + offsets)
     if KV_FP8 and q.dtype == tl.float32:  # float32 model: upcast exactly, dot in float32
         k = k.to(tl.float32)
-        v = v.to(tl.float32)
     scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
     if MASKED:
         visible = (positions[None, :] <= query_pos[:, None]) & valid[None, :]
         scores = tl.where(visible, scores, float("-inf"))
     p, alpha, m_new, l_i = online_softmax_step(scores, m_i, l_i)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+    if KV_FP8:  # P's first half of columns meets the even positions, its second half the odd ones
+        p_even, p_odd = tl.split(tl.permute(tl.reshape(p.to(q.dtype), [p.shape[0], 2, BLOCK_N // 2]), (0, 2, 1)))
+        pv = tl.dot(p_even, v_even, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p_odd, v_odd, pv, input_precision=DOT_PRECISION)
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
 

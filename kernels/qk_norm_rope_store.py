@@ -28,6 +28,7 @@ import triton.language as tl
 
 from spmd_engine.kernels.kv_quant import check_kv_scales
 from spmd_engine.kernels.kv_store import _check_store_shapes, _round_to_e4m3
+from spmd_engine.kernels.paged_kv_tile import fp8_v_offset
 from spmd_engine.kernels.pdl import pdl_launch, pdl_prologue
 
 MAX_NORM_HEAD_DIM = 256  # rms_norm_pair reduces a head in one warp up to here; beyond, its 4 warps would differ
@@ -130,8 +131,12 @@ def _qk_norm_rope_store_kernel(
         tl.store(k_cache + cache_row + dims, _to_cache(out1, k_scale, heads, row_ok, cache_dtype, QUANTIZE), mask=mask)
         tl.store(k_cache + cache_row + half + dims, _to_cache(out2, k_scale, heads, row_ok, cache_dtype, QUANTIZE),
                  mask=mask)
-        tl.store(v_cache + cache_row + cols, _to_cache(values, v_scale, heads, row_ok, cache_dtype, QUANTIZE),
-                 mask=row_ok & (cols < num_cols))
+        if QUANTIZE:  # an fp8 V cache stores pairs of positions (kv_quant.FP8_V_LAYOUT)
+            block = (slot // block_size) * stride_cache_block
+            v_dst = v_cache + block + fp8_v_offset(slot % block_size, heads * stride_cache_head + cols, stride_cache_pos)
+        else:
+            v_dst = v_cache + cache_row + cols
+        tl.store(v_dst, _to_cache(values, v_scale, heads, row_ok, cache_dtype, QUANTIZE), mask=row_ok & (cols < num_cols))
 
 
 def rows_per_program(num_tokens: int, num_q_heads: int, num_kv_heads: int, on_device: bool,

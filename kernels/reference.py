@@ -4,14 +4,15 @@ paged attention, the small-batch GEMV and the sampling-noise hash.
 They are the CPU path of the engine and the ground truth the Triton kernels are tested against.
 KV cache layout (every backend): [num_blocks, block_size, num_kv_heads, head_dim]. A
 float8_e4m3fn cache comes with per-KV-head scales (`kernels/kv_quant.py`): written quantized,
-upcast to float32 and multiplied by its scale on read.
+upcast to float32 and multiplied by its scale on read; its V blocks store positions in pairs
+(`kv_quant.FP8_V_LAYOUT`).
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from spmd_engine.kernels.kv_quant import check_kv_scales, quantize_fp8_reference
+from spmd_engine.kernels.kv_quant import check_kv_scales, quantize_fp8_reference, read_v_blocks, write_v_positions
 
 
 def store_kv_reference(
@@ -30,7 +31,7 @@ def store_kv_reference(
     blocks, offsets = slots // block_size, slots % block_size
     if fp8:
         k_cache[blocks, offsets] = quantize_fp8_reference(key[keep], k_scale)
-        v_cache[blocks, offsets] = quantize_fp8_reference(value[keep], v_scale)
+        write_v_positions(v_cache, blocks, offsets, quantize_fp8_reference(value[keep], v_scale))
         return
     k_cache[blocks, offsets] = key[keep].to(k_cache.dtype)
     v_cache[blocks, offsets] = value[keep].to(v_cache.dtype)
@@ -73,13 +74,15 @@ def qk_norm_rope_store_reference(
 
 
 def gather_kv_reference(
-    cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+    cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, fp8_v: bool = False
 ) -> torch.Tensor:
-    """The first `seq_len` cached positions of one sequence: [seq_len, Hkv, D]."""
+    """The first `seq_len` cached positions of one sequence: [seq_len, Hkv, D]. `fp8_v`: `cache` is an
+    fp8 V cache (pairs of positions)."""
     block_size = cache.shape[1]
     num_blocks = (seq_len + block_size - 1) // block_size
     blocks = block_table[:num_blocks].long()
-    return cache[blocks].reshape(-1, *cache.shape[2:])[:seq_len]
+    gathered = read_v_blocks(cache, blocks) if fp8_v else cache[blocks]
+    return gathered.reshape(-1, *cache.shape[2:])[:seq_len]
 
 
 def paged_attention_reference(
@@ -111,7 +114,7 @@ def paged_attention_reference(
             continue
         q = query[start:end].float().transpose(0, 1)  # [Hq, q, D]
         k = gather_kv_reference(k_cache, block_tables[b], seq_len).float()
-        v = gather_kv_reference(v_cache, block_tables[b], seq_len).float()
+        v = gather_kv_reference(v_cache, block_tables[b], seq_len, fp8_v=fp8).float()
         if fp8:
             k = k * k_scale[None, :, None]
             v = v * v_scale[None, :, None]

@@ -111,6 +111,8 @@ class EngineConfig:
                f"dtype must be one of auto|bfloat16|float16|float32, got {self.dtype!r}")
         _check(self.kv_cache_dtype in ("auto", "fp8"),
                f"kv_cache_dtype must be one of auto|fp8, got {self.kv_cache_dtype!r}")
+        _check(self.kv_cache_dtype != "fp8" or self.block_size >= 2,
+               f"kv_cache_dtype=fp8 needs block_size >= 2 (its V cache stores pairs of positions), got {self.block_size}")
         _check(self.tp_reduce_dtype in ("float32", "model"),
                f"tp_reduce_dtype must be one of float32|model, got {self.tp_reduce_dtype!r}")
         _check(self.tp_allreduce in ("auto", "nccl", "symm_mem"),

@@ -116,3 +116,46 @@ def test_fp8_store_needs_scales():
     key = torch.zeros(3, 2, 16, device=DEVICE)
     with pytest.raises(ValueError, match="needs k_scale"):
         store_kv(key, key, cache, cache.clone(), torch.zeros(3, dtype=torch.int64, device=DEVICE))
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["store_kv", "qk_norm_rope_store"])
+def test_fp8_v_goes_in_pairs_of_positions_k_in_place(fused):
+    """kv_quant.FP8_V_LAYOUT, as both store kernels write it: V at (block, position p, head, dim) sits at
+    pair p // 2, slot p % 2 of [block, bs / 2, Hkv, D, 2]; K stays [block, bs, Hkv, D]. Values that are
+    exact in e4m3 (token + 1 times a power of two, signed by head) and unit scales."""
+    from spmd_engine.kernels.kv_quant import FP8_DTYPE, read_v_blocks, v_pairs
+    from spmd_engine.kernels.qk_norm_rope_store import qk_norm_rope_store
+
+    block_size, heads, head_dim, tokens = 8, 2, 16, 11
+    token = torch.arange(tokens, dtype=torch.float32)[:, None, None]
+    head = torch.arange(heads, dtype=torch.float32)[None, :, None]
+    dim = torch.arange(head_dim, dtype=torch.float32)[None, None, :]
+    value = ((token + 1) * 2.0 ** -(dim % 8) * (1 - 2 * head)).to(torch.float16).to(DEVICE)  # e4m3-exact
+    key = -value
+    slots = torch.tensor([8, 9, 10, 11, 12, 13, 14, 15, 3, 0, 5], device=DEVICE)  # block 1 whole, block 0 odd
+    scales = torch.ones(heads, dtype=torch.float32, device=DEVICE)
+    k_cache = torch.zeros(2, block_size, heads, head_dim, dtype=FP8_DTYPE, device=DEVICE)
+    v_cache = k_cache.clone()
+    if fused:  # rotary by angle 0 (cos 1, sin 0) and no norm: k goes to the cache as it is
+        q = torch.zeros(tokens, heads, head_dim, dtype=torch.float16, device=DEVICE)
+        cos = torch.ones(tokens, head_dim // 2, dtype=torch.float16, device=DEVICE)
+        qk_norm_rope_store(q, key, value, cos, torch.zeros_like(cos), k_cache, v_cache, slots, None, None, 0.0,
+                           scales, scales)
+    else:
+        store_kv(key, value, k_cache, v_cache, slots, scales, scales)
+    for t, slot in enumerate(slots.tolist()):
+        block, pos = divmod(slot, block_size)
+        assert torch.equal(k_cache[block, pos].float(), key[t].float()), t
+        assert torch.equal(v_pairs(v_cache)[block, pos // 2, :, :, pos % 2].float(), value[t].float()), t
+        assert torch.equal(read_v_blocks(v_cache, torch.tensor([block], device=DEVICE))[0, pos].float(),
+                           value[t].float()), t
+
+
+def test_fp8_cache_needs_an_even_block_size_in_one_line():
+    from spmd_engine.kernels.kv_quant import FP8_DTYPE
+
+    k_cache = torch.zeros(4, 1, 2, 16, dtype=FP8_DTYPE, device=DEVICE)
+    scales = torch.ones(2, dtype=torch.float32, device=DEVICE)
+    key = torch.zeros(1, 2, 16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"^store_kv: a float8_e4m3fn KV cache needs an even block_size"):
+        store_kv(key, key, k_cache, k_cache.clone(), torch.zeros(1, dtype=torch.int64, device=DEVICE), scales, scales)

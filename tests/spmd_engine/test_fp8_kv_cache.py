@@ -146,3 +146,10 @@ def test_real_smollm2_default_answer_is_unchanged_with_fp8(smollm2_dir):
     [token_ids] = generate_in_process([*REAL_PROMPT_ARGS, "kv_cache_dtype=fp8", "device=cpu"])
     text = AutoTokenizer.from_pretrained(smollm2_dir).decode(token_ids, skip_special_tokens=True)
     assert text == "The capital of France is Paris."
+
+
+def test_fp8_needs_pairs_of_positions_per_block():
+    cfg = engine_config_from_dict({"model": {"name": "x", "path": None}, "kv_cache_dtype": "fp8", "block_size": 1})
+    with pytest.raises(ConfigError, match=r"^kv_cache_dtype=fp8 needs block_size >= 2 \(its V cache stores pairs "
+                                          r"of positions\), got 1$"):
+        cfg.validate(1)
