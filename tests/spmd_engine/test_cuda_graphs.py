@@ -45,22 +45,28 @@ def runner():
     return ModelRunner(model, ModelShape.from_hf_config(HF), settings, torch.device("cpu"), torch.float32, 1)
 
 
-def test_padded_decode_gives_the_same_logits_and_kv(runner):
+def three_sequence_plans(seed: int) -> tuple[StepPlan, StepPlan]:
+    """A prefill of three sequences (5, 9 and 3 random tokens over scattered blocks), then one decode step."""
     lens = [5, 9, 3]
     blocks = [[3, 17], [8, 1, 30], [22]]
     prefill = StepPlan(step=0, seq_ids=np.arange(3), num_computed=np.zeros(3, dtype=np.int32),
                        query_lens=np.array(lens, dtype=np.int32),
-                       input_ids=np.random.default_rng(0).integers(0, 97, sum(lens)).astype(np.int32),
+                       input_ids=np.random.default_rng(seed).integers(0, 97, sum(lens)).astype(np.int32),
                        sample=np.ones(3, dtype=bool), reset_tables=np.ones(3, dtype=bool),
                        new_block_counts=np.array([len(b) for b in blocks], dtype=np.int32),
                        new_block_ids=np.array(sum(blocks, []), dtype=np.int32))
-    for k, v in runner.kv_caches:  # allocated uninitialised: NaN garbage would defeat torch.equal
-        k.zero_(), v.zero_()
-    runner.execute(prefill)
     decode = StepPlan(step=1, seq_ids=np.arange(3), num_computed=np.array(lens, dtype=np.int32),
                       query_lens=np.ones(3, dtype=np.int32), input_ids=np.array([5, 6, 7], dtype=np.int32),
                       sample=np.ones(3, dtype=bool), reset_tables=np.zeros(3, dtype=bool),
                       new_block_counts=np.zeros(3, dtype=np.int32), new_block_ids=np.zeros(0, dtype=np.int32))
+    return prefill, decode
+
+
+def test_padded_decode_gives_the_same_logits_and_kv(runner):
+    prefill, decode = three_sequence_plans(seed=0)
+    for k, v in runner.kv_caches:  # allocated uninitialised: NaN garbage would defeat torch.equal
+        k.zero_(), v.zero_()
+    runner.execute(prefill)
     host = build_host_batch(decode, runner.mirror.apply(decode), BLOCK)
     with torch.inference_mode():
         eager = decode_step(runner.model, to_device(host, BLOCK, runner.device))
@@ -82,19 +88,8 @@ def test_longest_first_batch_gives_the_plan_order_logits_of_row_order(runner, mo
     bits of the batch in plan order: no row's result depends on its place in the batch."""
     import spmd_engine.executor.forward_batch as forward_batch
 
-    lens = [5, 9, 3]
-    blocks = [[3, 17], [8, 1, 30], [22]]
-    prefill = StepPlan(step=0, seq_ids=np.arange(3), num_computed=np.zeros(3, dtype=np.int32),
-                       query_lens=np.array(lens, dtype=np.int32),
-                       input_ids=np.random.default_rng(1).integers(0, 97, sum(lens)).astype(np.int32),
-                       sample=np.ones(3, dtype=bool), reset_tables=np.ones(3, dtype=bool),
-                       new_block_counts=np.array([len(b) for b in blocks], dtype=np.int32),
-                       new_block_ids=np.array(sum(blocks, []), dtype=np.int32))
+    prefill, decode = three_sequence_plans(seed=1)
     runner.execute(prefill)
-    decode = StepPlan(step=1, seq_ids=np.arange(3), num_computed=np.array(lens, dtype=np.int32),
-                      query_lens=np.ones(3, dtype=np.int32), input_ids=np.array([5, 6, 7], dtype=np.int32),
-                      sample=np.ones(3, dtype=bool), reset_tables=np.zeros(3, dtype=bool),
-                      new_block_counts=np.zeros(3, dtype=np.int32), new_block_ids=np.zeros(0, dtype=np.int32))
     tables = runner.mirror.apply(decode)
     longest_first = build_host_batch(decode, tables, BLOCK)
     assert longest_first.seq_lens.tolist() == [10, 6, 4] and longest_first.logits_indices.tolist() == [1, 0, 2]
