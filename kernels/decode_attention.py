@@ -134,7 +134,7 @@ def _attend_fp8_in_chunks(
     a3 = tl.zeros([BLOCK_H, FP8_CHUNK], dtype=tl.float32)
     for tile_start in range(start, end, BLOCK_N):
         _, valid, rows = paged_tile(block_table_row, tile_start, end, stride_cache_block, stride_cache_pos,
-                                    BLOCK_SIZE, BLOCK_N, False)  # signed: faster here (paged_tile_offsets)
+                                    BLOCK_SIZE, BLOCK_N)
         k_chunks = k_cache + (rows[:, None] + kv_head_offset + dc[None, :])
         live = valid[:, None]
         scores = tl.dot(q0, tl.trans(tl.load(k_chunks, mask=live, other=0.0).to(tl.float16)))

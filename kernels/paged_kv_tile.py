@@ -24,7 +24,6 @@ def paged_tile_offsets(
     stride_pos,  # cache stride between positions inside a block (elements)
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    UNSIGNED: tl.constexpr = True,
 ):
     """[BLOCK_N] int64 element offsets of the tile's rows in a [N, BLOCK_SIZE, Hkv, D] cache.
 
@@ -33,33 +32,30 @@ def paged_tile_offsets(
     block size each take a sign fix-up per element. Same offsets; compiled for sm_90 (Triton 3.6, head
     128, block 16) the decode kernel's loop went from 809 to 661 instructions per 128-key tile in bf16
     and from 1,011 to 934 with an fp8 cache, the prefill kernel's from 677 to 618 (docs/BENCHMARKS.md,
-    session 11). `UNSIGNED=False` keeps the signed division (same offsets) for the fp8 column-chunk
-    loop, which it made slower on the H200: 155 -> 164 us per call at 129 rows x 200..2,000 keys, engine
-    fp8 decode steps 4.45 -> 4.64 ms (its registers fell 104 -> 96, five programs per SM instead of four;
-    docs/BENCHMARKS.md, session 12), where bf16 gained 0.4 %."""
-    if UNSIGNED:
-        positions = positions.to(tl.uint32)
-        tile_start = tl.cast(tile_start, tl.uint32)
-    slots = (positions % BLOCK_SIZE).to(tl.int64) * stride_pos
+    session 11). On the H200 bf16 decode steps gained 0.4 %; the fp8 loop of the plain V layout lost 6 %
+    (its registers fell 104 -> 96: five programs per SM instead of four), but with V in pairs of positions
+    it has 96 either way and signed or unsigned time the same (148.5 / 148.4 us per call; docs/BENCHMARKS.md,
+    session 12)."""
+    unsigned = positions.to(tl.uint32)
+    slots = (unsigned % BLOCK_SIZE).to(tl.int64) * stride_pos
     if BLOCK_SIZE >= BLOCK_N:
-        block_id = tl.load(block_table_row + tile_start // BLOCK_SIZE).to(tl.int64)
+        block_id = tl.load(block_table_row + tl.cast(tile_start, tl.uint32) // BLOCK_SIZE).to(tl.int64)
         return block_id * stride_block + slots
     else:
-        block_ids = tl.load(block_table_row + positions // BLOCK_SIZE, mask=valid, other=0)
+        block_ids = tl.load(block_table_row + unsigned // BLOCK_SIZE, mask=valid, other=0)
         return block_ids.to(tl.int64) * stride_block + slots
 
 
 @triton.jit
 def paged_tile(
     block_table_row, tile_start, end, stride_block, stride_pos, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    UNSIGNED: tl.constexpr = True,
 ):
     """The tile at `tile_start` of a sequence whose first `end` positions are read: (positions, valid,
     row offsets), the three every attention loop starts a tile with."""
     positions = tile_start + tl.arange(0, BLOCK_N)
     valid = positions < end
     rows = paged_tile_offsets(block_table_row, tile_start, positions, valid, stride_block, stride_pos,
-                              BLOCK_SIZE, BLOCK_N, UNSIGNED)
+                              BLOCK_SIZE, BLOCK_N)
     return positions, valid, rows
 
 
