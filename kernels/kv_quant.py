@@ -2,7 +2,8 @@
 
 A quantized cache stores `clamp(x / scale, -448, 448)` rounded to float8_e4m3fn; reading it back
 is `fp8.float() * scale`. Scales are float32 tensors [num_kv_heads] per layer, one for K and one
-for V. An fp8 V cache stores positions in pairs (`FP8_V_LAYOUT`, below); K keeps the plain layout. Every scale the engine makes is a power of two, so dividing and multiplying by it are exact
+for V. An fp8 V cache stores positions in pairs (`FP8_V_LAYOUT`, below); K keeps the plain layout.
+Every scale the engine makes is a power of two, so dividing and multiplying by it are exact
 and the torch reference and the Triton store kernel write bit-identical bytes. Plain torch only:
 this module is imported on the CPU path too.
 """
@@ -38,7 +39,7 @@ def v_pairs(v_cache: torch.Tensor) -> torch.Tensor:
 
 def read_v_blocks(v_cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """Blocks of an fp8 V cache in position order: [len(blocks), bs, Hkv, D] (a copy)."""
-    n, block_size, heads, dim = v_cache.shape
+    _, block_size, heads, dim = v_cache.shape
     return v_pairs(v_cache)[blocks].permute(0, 1, 4, 2, 3).reshape(len(blocks), block_size, heads, dim)
 
 
