@@ -272,7 +272,7 @@ def _decode_split_kernel(
 ):
     pdl_prologue(USE_PDL)  # kernels/pdl.py: before any memory access
     decode_split_program(
-        tl.program_id(0), tl.program_id(1), tl.program_id(2),
+        tl.program_id(2), tl.program_id(1), tl.program_id(0),
         query, k_cache, v_cache, out, partial_out, partial_lse, counters, seq_lens, block_tables, scale_log2,
         k_scale, v_scale,
         stride_q_seq, stride_q_head, stride_o_seq, stride_o_head,
@@ -301,7 +301,7 @@ def _decode_any_splits_kernel(
     always the float32 partials, whatever the count (pointer types are specialised on)."""
     pdl_prologue(USE_PDL)
     decode_split_program(
-        tl.program_id(0), tl.program_id(1), tl.program_id(2),
+        tl.program_id(2), tl.program_id(1), tl.program_id(0),
         query, k_cache, v_cache, out, partial_out, partial_lse, counters, seq_lens, block_tables, scale_log2,
         k_scale, v_scale,
         stride_q_seq, stride_q_head, stride_o_seq, stride_o_head,
@@ -400,7 +400,7 @@ def paged_decode_attention(
     partial_out, partial_lse = _split_partials(query, out, num_splits)
     fused = (DECODE_FUSED_MERGE if fused_merge is None else fused_merge) and num_splits > 1
     counters = merge_counters(query.device, num_seqs * num_kv_heads) if fused else seq_lens  # unread unfused
-    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+    _decode_split_kernel[(num_splits, num_kv_heads, num_seqs)](
         query, k_cache, v_cache, out, partial_out, partial_lse, counters, seq_lens, block_tables,
         scale * _LOG2_E,
         k_scale if kv_fp8 else seq_lens, v_scale if kv_fp8 else seq_lens,  # unread without KV_FP8

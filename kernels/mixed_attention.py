@@ -85,11 +85,11 @@ def _mixed_paged_attention_kernel(
             stride_cache_block, stride_cache_pos, stride_cache_head, stride_table,
             GROUP, BLOCK_SIZE, HEAD_DIM, BLOCK_M, BLOCK_N, DOT_PRECISION, KV_FP8, DOT_F16,
         )
-    else:  # the decode grid (sequence fastest, then KV head, then split); decode row = token = sequence
+    else:  # the decode grid (split fastest, then KV head, then sequence); decode row = token = sequence
         d = pid - prefill_programs
-        rest = d // num_decode
+        rest = d // num_splits
         decode_split_program(
-            d % num_decode, rest % (num_q_heads // GROUP), rest // (num_q_heads // GROUP),
+            rest // (num_q_heads // GROUP), rest % (num_q_heads // GROUP), d % num_splits,
             query, k_cache, v_cache, out, partial_out, partial_lse, counters, seq_lens, block_tables, scale_log2,
             k_scale, v_scale,
             stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
@@ -247,7 +247,7 @@ def plan_paged_attention(
             # a mixed step in two launches: the split count is a runtime int and the splits merge themselves
             # (`_decode_any_splits_kernel`: one compiled kernel whatever the step's decode rows)
             counters, merge = merge_counters(query.device, num_decode * num_kv_heads), None
-            decode = ((num_decode, num_kv_heads, num_splits), (num_q_heads, num_splits), dict(
+            decode = ((num_splits, num_kv_heads, num_decode), (num_q_heads, num_splits), dict(
                 **common, BLOCK_H=decode_meta["BLOCK_H"], BLOCK_N=dcfg.block_n,
                 num_warps=dcfg.num_warps, num_stages=dcfg.num_stages))
         elif num_decode:
@@ -255,7 +255,7 @@ def plan_paged_attention(
             fused_merge = merge is not None and decode_attention.DECODE_FUSED_MERGE
             if fused_merge:
                 counters, merge = merge_counters(query.device, num_decode * num_kv_heads), None
-            decode = ((num_decode, num_kv_heads, num_splits), (num_q_heads,), dict(
+            decode = ((num_splits, num_kv_heads, num_decode), (num_q_heads,), dict(
                 **common, **decode_meta, BLOCK_N=dcfg.block_n, FUSED_MERGE=fused_merge,
                 num_warps=dcfg.num_warps, num_stages=dcfg.num_stages))
         if has_prefill:
