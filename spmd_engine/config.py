@@ -15,6 +15,8 @@ from typing import Any
 
 from spmd_engine.core.sequence import SamplingParams
 
+MAX_SEQS_PER_STEP = 65535  # a CUDA grid's y / z limit (see the max_num_seqs check)
+
 
 class ConfigError(ValueError):
     """A user-caused configuration problem; the message is one line naming the key and limit."""
@@ -100,6 +102,10 @@ class EngineConfig:
         _check(self.max_prompt_tokens_per_mixed_step is None or self.max_prompt_tokens_per_mixed_step >= 1,
                f"max_prompt_tokens_per_mixed_step must be >= 1 or null, got {self.max_prompt_tokens_per_mixed_step}")
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        # the attention kernels' CUDA grids hold a step's sequences on their z axis (prefill; decode, which
+        # starts them longest first: kernels/decode_attention.py), whose limit is 65,535
+        _check(self.max_num_seqs <= MAX_SEQS_PER_STEP,
+               f"max_num_seqs must be <= {MAX_SEQS_PER_STEP}, got {self.max_num_seqs}")
         _check(self.max_num_batched_tokens >= 1,
                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         _check(self.max_model_len is None or self.max_model_len >= 2,

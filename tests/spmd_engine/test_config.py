@@ -15,6 +15,7 @@ def base(**over):
     ("gpu_memory_utilization", 1.5, "gpu_memory_utilization must be in (0, 1], got 1.5"),
     ("gpu_memory_utilization", 0.0, "gpu_memory_utilization must be in (0, 1]"),
     ("max_num_seqs", 0, "max_num_seqs must be >= 1"),
+    ("max_num_seqs", 65536, "max_num_seqs must be <= 65535, got 65536"),
     ("device", "tpu", "device must be one of"),
     ("attention_backend", "xformers", "attention_backend must be one of"),
     ("attention_backend", "flash_attn", "attention_backend must be one of auto|triton|torch, got 'flash_attn'"),
