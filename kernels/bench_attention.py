@@ -98,7 +98,8 @@ def bench_decode(batch: int, context: int, block_size: int, config: DecodeConfig
     ms = median_ms(run, rep=200 if config is None else 60)
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * kc.element_size()
     io_bytes = 2 * q.numel() * q.element_size() + tables.numel() * 4
-    splits = split_count("bench_attention", None, batch, kc, tables, config or default_decode_config(HEAD_DIM, q.device))
+    cfg = config or default_decode_config(HEAD_DIM, q.device, KV_FP8)
+    splits = split_count("bench_attention", None, batch, kc, tables, cfg)
     return ms, (kv_bytes + io_bytes) / ms / 1e6, err, splits
 
 
@@ -114,7 +115,7 @@ def bench_decode_merge(batch: int, context: int, block_size: int) -> tuple[float
                                 **scales)
         run()  # compile, allocate the merge counters outside the capture
         times[fused] = triton.testing.do_bench_cudagraph(run, rep=100, return_mode="median") * 1e3
-    splits = split_count("bench_attention", None, batch, kc, tables, default_decode_config(HEAD_DIM, q.device))
+    splits = split_count("bench_attention", None, batch, kc, tables, default_decode_config(HEAD_DIM, q.device, KV_FP8))
     return times[False], times[True], torch.equal(outs[False], outs[True]), splits
 
 
@@ -237,7 +238,8 @@ def bench_batch1_splits(context: int, layers: int = 28, width_blocks: int = 256,
                                            num_splits=count)
             run()  # compile, allocate the merge counters outside the capture
             times[count] = triton.testing.do_bench_cudagraph(run, rep=100, return_mode="median") * 1e3 / layers
-    return times, split_count("bench_attention", None, 1, caches[0][0], table, default_decode_config(HEAD_DIM, q.device))
+    cfg = default_decode_config(HEAD_DIM, q.device, KV_FP8)
+    return times, split_count("bench_attention", None, 1, caches[0][0], table, cfg)
 
 
 def sweep() -> None:
@@ -280,7 +282,7 @@ def main() -> None:
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     print(f"# shape: Hq={NUM_Q_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM} {DTYPE}, KV cache "
           f"{'float8_e4m3fn' if KV_FP8 else DTYPE}")
-    print(f"# decode config {default_decode_config(HEAD_DIM, device)}")
+    print(f"# decode config {default_decode_config(HEAD_DIM, device, KV_FP8)}")
     print(f"# prefill config {default_prefill_config(HEAD_DIM, device)}")
     if args.splits:
         print("\n# batch 1, 28 layers in one CUDA graph, 4096-token table, block 16: us per layer by split count")

@@ -66,9 +66,14 @@ class DecodeConfig:
     min_tokens_per_split: int = MIN_TOKENS_PER_SPLIT  # table positions per split at the least
 
 
-def default_decode_config(head_dim: int, device: torch.device) -> DecodeConfig:
+def default_decode_config(head_dim: int, device: torch.device, kv_fp8: bool = False) -> DecodeConfig:
     if device.type != "cuda":  # TRITON_INTERPRET: small tiles keep the emulation fast
         return DecodeConfig(block_n=16, num_warps=1, num_stages=1, programs_per_sm=1)
+    if kv_fp8 and head_dim == 128:
+        # one warp keeps P in registers (four pass it through shared memory every tile: the fp8 loop is bound by
+        # instruction issue). H200, alone, sequence-slowest grid: 129 rows x 200..2000 keys 122.9 us against
+        # 127.2 for 128 / 4 / 3, 256 x 100..1500 139.9 against 162.0 (docs/BENCHMARKS.md, session 13)
+        return DecodeConfig(block_n=64, num_warps=1, num_stages=3, programs_per_sm=4)
     if head_dim <= 128:  # H200 sweep, B=256 x 2k bf16: 0.49 ms vs 0.54 for (64, 4 warps, 2 stages)
         return DecodeConfig(block_n=128, num_warps=4, num_stages=3, programs_per_sm=4)
     return DecodeConfig(block_n=32, num_warps=4, num_stages=2, programs_per_sm=4)
@@ -399,7 +404,7 @@ def paged_decode_attention(
         query = query.contiguous()
     if out.stride(2) != 1:
         raise ValueError("paged_decode_attention: out must have a contiguous head_dim")
-    cfg = config or default_decode_config(head_dim, query.device)
+    cfg = config or default_decode_config(head_dim, query.device, kv_fp8)
     num_splits = split_count("paged_decode_attention", num_splits, num_seqs, k_cache, block_tables, cfg)
     group = num_q_heads // num_kv_heads
     partial_out, partial_lse = _split_partials(query, out, num_splits)

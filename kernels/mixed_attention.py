@@ -217,7 +217,7 @@ def plan_paged_attention(
                   KV_FP8=kv_fp8, DOT_F16=fp8_dot_in_f16(kv_fp8, query.dtype), **pdl_launch(query.device))
     num_prefill = num_seqs - num_decode
     has_prefill = num_prefill > 0 and num_tokens > num_decode and max_query_len > 0
-    dcfg = decode_config or default_decode_config(head_dim, query.device)
+    dcfg = decode_config or default_decode_config(head_dim, query.device, kv_fp8)
     pcfg = prefill_config or default_prefill_config(head_dim, query.device)
 
     num_splits, decode_meta, merge, counters = 1, None, None, None

@@ -115,6 +115,19 @@ def test_cuda_graph_replay_follows_new_seq_lens():
         assert rel_error(out, _reference(batch)) < 1e-2
 
 
+def test_cuda_fp8_tile_config_on_small_batch():
+    """The GPU's fp8 decode tile (one warp, 64 keys), with and without splits, against the reference."""
+    batch = make_paged_batch([1, 1, 1], [150, 7, 64], 16, 4, 2, 128, torch.float16, seed=5, kv_fp8=True)
+    config = default_decode_config(128, torch.device("cuda"), kv_fp8=True)
+    assert config.num_warps == 1 and config.block_n == 64
+    for num_splits in (1, 2):
+        out = paged_decode_attention(
+            batch.query, batch.k_cache, batch.v_cache, batch.seq_lens, batch.block_tables, batch.scale,
+            num_splits=num_splits, config=config, k_scale=batch.k_scale, v_scale=batch.v_scale,
+        )
+        assert rel_error(out, batch.reference()) < 2e-3
+
+
 # (seq_lens, block_size, Hq, Hkv, head_dim, dtype, num_splits, max rel error) with a float8_e4m3fn cache
 FP8_CASES = [
     pytest.param([1, 16, 17, 40], 16, 4, 4, 32, torch.float32, None, 1e-5, id="bs16-gqa1-fp32-single"),
