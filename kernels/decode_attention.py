@@ -74,8 +74,11 @@ def default_decode_config(head_dim: int, device: torch.device, kv_fp8: bool = Fa
         # instruction issue). H200, alone, sequence-slowest grid: 129 rows x 200..2000 keys 122.9 us against
         # 127.2 for 128 / 4 / 3, 256 x 100..1500 139.9 against 162.0 (docs/BENCHMARKS.md, session 13)
         return DecodeConfig(block_n=64, num_warps=1, num_stages=3, programs_per_sm=4)
-    if head_dim <= 128:  # H200 sweep, B=256 x 2k bf16: 0.49 ms vs 0.54 for (64, 4 warps, 2 stages)
-        return DecodeConfig(block_n=128, num_warps=4, num_stages=3, programs_per_sm=4)
+    if head_dim <= 128:
+        # H200, sequence-slowest grid: alone 151.8 us against 152.2 for 128 keys / 3 stages (129 rows x 200..2000),
+        # 206.5 against 211.3 (256 rows); engine bench 26,537 / 26,613 tok/s against 26,334 / 26,332
+        # (docs/BENCHMARKS.md, sessions 13-14)
+        return DecodeConfig(block_n=64, num_warps=4, num_stages=2, programs_per_sm=4)
     return DecodeConfig(block_n=32, num_warps=4, num_stages=2, programs_per_sm=4)
 
 

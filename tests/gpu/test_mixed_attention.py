@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from spmd_engine.kernels import mixed_attention
-from spmd_engine.kernels.decode_attention import paged_decode_attention
+from spmd_engine.kernels.decode_attention import default_decode_config, paged_decode_attention
 from spmd_engine.kernels.mixed_attention import plan_paged_attention
 from spmd_engine.kernels.prefill_attention import paged_prefill_attention
 from tests.gpu.engine_setup import GPU
@@ -18,13 +18,13 @@ pytestmark = GPU
 HQ, HKV, D = 16, 8, 128
 
 
-def two_kernel_path(batch, n: int) -> torch.Tensor:
+def two_kernel_path(batch, n: int, decode_config=None) -> torch.Tensor:
     """The engine's path before the plan (decode kernel on the first n rows, prefill kernel on the rest)."""
     out = torch.full_like(batch.query, float("nan"))
     scales = {"k_scale": batch.k_scale, "v_scale": batch.v_scale}
     if n:
         paged_decode_attention(batch.query[:n], batch.k_cache, batch.v_cache, batch.seq_lens[:n],
-                               batch.block_tables[:n], batch.scale, out[:n], **scales)
+                               batch.block_tables[:n], batch.scale, out[:n], config=decode_config, **scales)
     paged_prefill_attention(batch.query, batch.k_cache, batch.v_cache, batch.cu_seqlens_q[n:].clone(),
                             batch.seq_lens[n:].clone(), batch.block_tables[n:], batch.scale, batch.max_query_len,
                             out, **scales)
@@ -48,6 +48,9 @@ def mixed_batch(num_decode, context, prompts, block_size, dtype=torch.bfloat16, 
 ])
 def test_one_plan_over_several_layers_is_bitwise_the_two_kernel_path(num_decode, context, prompts, block_size, fp8):
     batch = mixed_batch(num_decode, context, prompts, block_size, fp8=fp8)
+    # the 16-bit cache's decode tile shares num_warps with the prefill tile: one launch for an fp8 cache too
+    # (whose own one-warp tile takes two launches: test_fp8_cache_default_tiles_take_two_launches_bitwise)
+    config = default_decode_config(D, torch.device("cuda"))
     plan = None
     for layer in range(3):  # other caches and queries of the same geometry: the plan of the first layer
         current = copy.copy(batch)
@@ -58,12 +61,27 @@ def test_one_plan_over_several_layers_is_bitwise_the_two_kernel_path(num_decode,
         if plan is None:
             plan = plan_paged_attention(current.query, current.k_cache, current.v_cache, out, current.cu_seqlens_q,
                                         current.seq_lens, current.block_tables, num_decode, current.max_query_len,
-                                        k_scale=current.k_scale, v_scale=current.v_scale, fuse=True)
+                                        k_scale=current.k_scale, v_scale=current.v_scale, decode_config=config,
+                                        fuse=True)
             assert plan.mixed is not None
         plan.launch(current.query, current.k_cache, current.v_cache, out, current.scale, current.k_scale,
                     current.v_scale)
-        expected = two_kernel_path(current, num_decode)
+        expected = two_kernel_path(current, num_decode, config)
         assert torch.equal(out.view(torch.int16), expected.view(torch.int16)), layer
+
+
+@pytest.mark.parametrize("num_decode,context,prompts", [(200, 600, [(1024, 1024)]), (3, 4000, [(77, 2000), (1, 300)])])
+def test_fp8_cache_default_tiles_take_two_launches_bitwise(num_decode, context, prompts):
+    """An fp8 cache's default decode tile (one warp) cannot share the prefill tile's launch: the plan runs the
+    runtime-split-count decode kernel, then the prefill kernel, bit for bit the public kernels."""
+    batch = mixed_batch(num_decode, context, prompts, 16, fp8=True)
+    out = torch.full_like(batch.query, float("nan"))
+    plan = plan_paged_attention(batch.query, batch.k_cache, batch.v_cache, out, batch.cu_seqlens_q, batch.seq_lens,
+                                batch.block_tables, num_decode, batch.max_query_len, k_scale=batch.k_scale,
+                                v_scale=batch.v_scale, fuse=True)
+    assert plan.mixed is None and plan.decode is not None and plan.prefill is not None
+    plan.launch(batch.query, batch.k_cache, batch.v_cache, out, batch.scale, batch.k_scale, batch.v_scale)
+    assert torch.equal(out.view(torch.int16), two_kernel_path(batch, num_decode).view(torch.int16))
 
 
 @pytest.mark.parametrize("fuse", [True, False], ids=["one-launch", "two-launches"])

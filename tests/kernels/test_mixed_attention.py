@@ -13,7 +13,7 @@ import torch
 from spmd_engine.kernels import mixed_attention
 from spmd_engine.kernels.decode_attention import DecodeConfig, default_decode_config, paged_decode_attention
 from spmd_engine.kernels.mixed_attention import plan_paged_attention
-from spmd_engine.kernels.prefill_attention import paged_prefill_attention
+from spmd_engine.kernels.prefill_attention import default_prefill_config, paged_prefill_attention
 from tests.kernels.paged_batch import DEVICE, gpu_case, make_paged_batch
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # triton interpreter noise
@@ -84,7 +84,10 @@ def test_plan_is_bitwise_the_two_kernel_path(decode_lens, prompts, block_size, h
     plan, out = planned(batch, n, config, fuse)
     if splitting:
         assert plan.partial_shape[2] > 1, "the case must exercise the split partials and their merge"
-    assert (plan.mixed is not None) == fuse  # every default config pair shares num_warps
+    # one launch only where the two tiles share num_warps (on an H200, not an fp8 cache's one-warp decode tile)
+    decode_warps = (config or default_decode_config(head_dim, DEVICE, fp8)).num_warps
+    shares_warps = decode_warps == default_prefill_config(head_dim, DEVICE).num_warps
+    assert (plan.mixed is not None) == (fuse and shares_warps)
     plan.launch(batch.query, batch.k_cache, batch.v_cache, out, batch.scale, batch.k_scale, batch.v_scale)
     assert torch.equal(out.view(torch.uint8), expected.view(torch.uint8))
     # a second layer: other query and caches of the same geometry, through the same plan
