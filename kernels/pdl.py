@@ -63,7 +63,8 @@ _OFF: Mapping[str, bool] = types.MappingProxyType({"USE_PDL": False})
 _requested = False  # set_pdl's last request (off outside the small decode graphs' capture)
 
 
-def _interpreting() -> bool:
+def triton_interpreting() -> bool:
+    """Whether Triton kernels run in its CPU interpreter (which has no PTX: no PDL, no libdevice)."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
@@ -86,7 +87,7 @@ def _device_supports(index: int) -> bool:
 def pdl_supported(device: torch.device | str) -> bool:
     """Whether kernels on `device` could launch with PDL (whatever the switch says)."""
     device = torch.device(device)
-    if device.type != "cuda" or not GDC_AVAILABLE or _interpreting() or not _launch_option_exists():
+    if device.type != "cuda" or not GDC_AVAILABLE or triton_interpreting() or not _launch_option_exists():
         return False
     return _device_supports(device.index if device.index is not None else torch.cuda.current_device())
 
