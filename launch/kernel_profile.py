@@ -3,7 +3,8 @@
 Why: a profile over a whole `generate` mixes the prefill and mixed steps into every kernel's mean, so
 a per-call average says little about a decode step. This runs the same requests twice with two output
 lengths under torch.profiler and divides the difference of each kernel's GPU time by the extra decode
-steps: what one decode step of that batch and context costs, kernel by kernel.
+steps: what one decode step of that batch and context costs, kernel by kernel. The same two calls timed
+without the profiler give the step's wall time: above the kernels' sum is what runs between them.
 
     python launch/kernel_profile.py                         # Qwen3-0.6B dummy weights, batch 1 and 256
     python launch/kernel_profile.py --model qwen3 --batch 64 --context 2000 --set kv_cache_dtype=fp8
@@ -24,6 +25,19 @@ def kernel_times(engine, requests) -> dict[str, tuple[float, int]]:
     return {e.key: (getattr(e, "self_device_time_total", 0.0), e.count) for e in prof.key_averages()}
 
 
+def wall_seconds(engine, requests) -> float:
+    """Wall time of one generate call, no profiler (it stretches the host side)."""
+    import time
+
+    import torch
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    engine.generate(requests)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
 def per_step(engine, batch: int, context: int, short: int, long: int, top: int) -> None:
     from spmd_engine.job.workloads import bench_requests
 
@@ -34,9 +48,15 @@ def per_step(engine, batch: int, context: int, short: int, long: int, top: int) 
     engine.generate(requests(4))  # compile and warm every kernel of this shape first
     a, b = kernel_times(engine, requests(short)), kernel_times(engine, requests(long))
     steps = long - short
+    # the step's wall time by the same difference: above the kernels' sum is what runs between them
+    # (launch gaps inside the graph, the host when it is behind)
+    wall_ms = min(wall_seconds(engine, requests(long)) - wall_seconds(engine, requests(short)) for _ in range(2))
+    wall_ms *= 1e3 / steps
     rows = [((b[k][0] - a.get(k, (0.0, 0))[0]) / steps, (b[k][1] - a.get(k, (0.0, 0))[1]) / steps, k) for k in b]
+    kernels_ms = sum(r[0] for r in rows) / 1e3
     print(f"--- batch {batch}, context {context + short}..{context + long}: GPU per decode step "
-          f"{sum(r[0] for r in rows) / 1e3:.3f} ms (difference of {steps} steps)")
+          f"{kernels_ms:.3f} ms (difference of {steps} steps); wall per decode step {wall_ms:.3f} ms "
+          f"({wall_ms - kernels_ms:+.3f} ms beside the kernels)")
     for us, calls, name in sorted(rows, reverse=True)[:top]:
         print(f"{us:9.1f} us {calls:6.1f} calls/step {us / max(calls, 1e-9):8.2f} us/call  {name[:90]}")
 
