@@ -126,6 +126,7 @@ def test_every_rank_computing_a_long_step_is_progress_a_job_where_nothing_moves_
 
 def test_the_real_probe_tells_a_computing_main_thread_from_a_sleeping_one():
     probe, deltas, stacks = main_thread_probe(), [], []
+    compute_for(0.05)  # one-time set-up (imports, torch's thread pools) before the window: it holds one stack
 
     def measure():
         first = probe().cpu_s
