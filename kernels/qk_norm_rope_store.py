@@ -77,6 +77,64 @@ def _to_cache(x, scale_ptr, heads, row_ok, cache_dtype: tl.constexpr, QUANTIZE: 
 
 
 @triton.jit
+def rotate_q_rows(
+    q_tok, stride_q_head, q_weight, normed_row, rot_row, c, s, heads, num_heads, num_cols, half, eps,
+    HAS_NORM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    """q rows `heads` [ROWS, 1] (those < num_heads) of one token: (norm into normed_row, then) rotary into
+    rot_row, rows of num_cols. normed_row may be rot_row (rotated in place: a barrier between)."""
+    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    if HAS_NORM:
+        _norm_rows(q_tok, stride_q_head, q_weight, normed_row, heads, num_heads, num_cols, eps, BLOCK_D)
+        tl.debug_barrier()
+        out1, out2 = _rotate_rows(normed_row, num_cols, c, s, heads, num_heads, half, BLOCK_HALF)
+        tl.debug_barrier()  # every normed value read before any is overwritten
+    else:
+        out1, out2 = _rotate_rows(q_tok, stride_q_head, c, s, heads, num_heads, half, BLOCK_HALF)
+    mask = (heads < num_heads) & (dims < half)
+    dst = rot_row + heads * num_cols + dims
+    tl.store(dst, out1, mask=mask)
+    tl.store(dst + half, out2, mask=mask)
+
+
+@triton.jit
+def store_kv_rows(
+    k_tok, stride_k_head, v_tok, stride_v_head, k_weight, normed_row, slot_ptr, c, s, heads, num_heads, num_cols,
+    half, eps, k_cache, v_cache, k_scale, v_scale, stride_cache_block, stride_cache_pos, stride_cache_head,
+    block_size,
+    HAS_NORM: tl.constexpr, QUANTIZE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    """k rows `heads` [ROWS, 1] (those < num_heads) of one token (norm through normed_row) rotated, and its v
+    rows, stored at the token's slot (`slot_ptr`; -1 stores nothing). v and the slot are loaded first,
+    nothing waits on the slot (batch 1 latency)."""
+    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    cols = tl.arange(0, BLOCK_D)[None, :]
+    values = tl.load(v_tok + heads * stride_v_head + cols, mask=(heads < num_heads) & (cols < num_cols))
+    slot = tl.load(slot_ptr + 0 * heads).to(tl.int64)  # [ROWS, 1]: the token's slot in every row
+    if HAS_NORM:
+        _norm_rows(k_tok, stride_k_head, k_weight, normed_row, heads, num_heads, num_cols, eps, BLOCK_D)
+        tl.debug_barrier()
+        out1, out2 = _rotate_rows(normed_row, num_cols, c, s, heads, num_heads, half, BLOCK_HALF)
+    else:
+        out1, out2 = _rotate_rows(k_tok, stride_k_head, c, s, heads, num_heads, half, BLOCK_HALF)
+    row_ok = (heads < num_heads) & (slot >= 0)
+    slot = tl.maximum(slot, 0)
+    cache_row = (slot // block_size) * stride_cache_block + (slot % block_size) * stride_cache_pos
+    cache_row = cache_row + heads * stride_cache_head
+    mask = row_ok & (dims < half)
+    cache_dtype = k_cache.dtype.element_ty
+    tl.store(k_cache + cache_row + dims, _to_cache(out1, k_scale, heads, row_ok, cache_dtype, QUANTIZE), mask=mask)
+    tl.store(k_cache + cache_row + half + dims, _to_cache(out2, k_scale, heads, row_ok, cache_dtype, QUANTIZE),
+             mask=mask)
+    if QUANTIZE:  # an fp8 V cache stores pairs of positions (kv_quant.FP8_V_LAYOUT)
+        block = (slot // block_size) * stride_cache_block
+        v_dst = v_cache + block + fp8_v_offset(slot % block_size, heads * stride_cache_head + cols, stride_cache_pos)
+    else:
+        v_dst = v_cache + cache_row + cols
+    tl.store(v_dst, _to_cache(values, v_scale, heads, row_ok, cache_dtype, QUANTIZE), mask=row_ok & (cols < num_cols))
+
+
+@triton.jit
 def _qk_norm_rope_store_kernel(
     q, k, v, cos, sin, q_weight, k_weight, q_out, k_normed, k_cache, v_cache, slot_mapping, k_scale, v_scale,
     num_q_heads, num_kv_heads, num_cols, half, eps,
@@ -89,54 +147,18 @@ def _qk_norm_rope_store_kernel(
     tok = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
     q_groups = tl.cdiv(num_q_heads, ROWS)
-    dims = tl.arange(0, BLOCK_HALF)[None, :]
     c, s = _cos_sin(cos, sin, tok, stride_cs_tok, half, BLOCK_HALF)
-    if group < q_groups:
+    if group < q_groups:  # normed q into q_out, rotated there in place
         heads = group * ROWS + tl.arange(0, ROWS)[:, None]
         out_row = q_out + tok * num_q_heads * num_cols
-        if HAS_NORM:  # normed q into q_out, rotated there in place
-            _norm_rows(q + tok * stride_q_tok, stride_q_head, q_weight, out_row, heads, num_q_heads, num_cols, eps,
-                       BLOCK_D)
-            tl.debug_barrier()
-            out1, out2 = _rotate_rows(out_row, num_cols, c, s, heads, num_q_heads, half, BLOCK_HALF)
-            tl.debug_barrier()  # every normed value read before any is overwritten
-        else:
-            out1, out2 = _rotate_rows(q + tok * stride_q_tok, stride_q_head, c, s, heads, num_q_heads, half,
-                                      BLOCK_HALF)
-        mask = (heads < num_q_heads) & (dims < half)
-        dst = out_row + heads * num_cols + dims
-        tl.store(dst, out1, mask=mask)
-        tl.store(dst + half, out2, mask=mask)
-    else:  # v and the slot loaded first, nothing waits on the slot (batch 1 latency); slot -1 stores nothing
+        rotate_q_rows(q + tok * stride_q_tok, stride_q_head, q_weight, out_row, out_row, c, s, heads, num_q_heads,
+                      num_cols, half, eps, HAS_NORM, BLOCK_D, BLOCK_HALF)
+    else:
         heads = (group - q_groups) * ROWS + tl.arange(0, ROWS)[:, None]
-        cols = tl.arange(0, BLOCK_D)[None, :]
-        values = tl.load(v + tok * stride_v_tok + heads * stride_v_head + cols,
-                         mask=(heads < num_kv_heads) & (cols < num_cols))
-        slot = tl.load(slot_mapping + tok + 0 * heads).to(tl.int64)  # [ROWS, 1]: the token's slot in every row
-        if HAS_NORM:
-            normed_row = k_normed + tok * num_kv_heads * num_cols
-            _norm_rows(k + tok * stride_k_tok, stride_k_head, k_weight, normed_row, heads, num_kv_heads, num_cols,
-                       eps, BLOCK_D)
-            tl.debug_barrier()
-            out1, out2 = _rotate_rows(normed_row, num_cols, c, s, heads, num_kv_heads, half, BLOCK_HALF)
-        else:
-            out1, out2 = _rotate_rows(k + tok * stride_k_tok, stride_k_head, c, s, heads, num_kv_heads, half,
-                                      BLOCK_HALF)
-        row_ok = (heads < num_kv_heads) & (slot >= 0)
-        slot = tl.maximum(slot, 0)
-        cache_row = (slot // block_size) * stride_cache_block + (slot % block_size) * stride_cache_pos
-        cache_row = cache_row + heads * stride_cache_head
-        mask = row_ok & (dims < half)
-        cache_dtype = k_cache.dtype.element_ty
-        tl.store(k_cache + cache_row + dims, _to_cache(out1, k_scale, heads, row_ok, cache_dtype, QUANTIZE), mask=mask)
-        tl.store(k_cache + cache_row + half + dims, _to_cache(out2, k_scale, heads, row_ok, cache_dtype, QUANTIZE),
-                 mask=mask)
-        if QUANTIZE:  # an fp8 V cache stores pairs of positions (kv_quant.FP8_V_LAYOUT)
-            block = (slot // block_size) * stride_cache_block
-            v_dst = v_cache + block + fp8_v_offset(slot % block_size, heads * stride_cache_head + cols, stride_cache_pos)
-        else:
-            v_dst = v_cache + cache_row + cols
-        tl.store(v_dst, _to_cache(values, v_scale, heads, row_ok, cache_dtype, QUANTIZE), mask=row_ok & (cols < num_cols))
+        store_kv_rows(k + tok * stride_k_tok, stride_k_head, v + tok * stride_v_tok, stride_v_head, k_weight,
+                      k_normed + tok * num_kv_heads * num_cols, slot_mapping + tok, c, s, heads, num_kv_heads,
+                      num_cols, half, eps, k_cache, v_cache, k_scale, v_scale, stride_cache_block,
+                      stride_cache_pos, stride_cache_head, block_size, HAS_NORM, QUANTIZE, BLOCK_D, BLOCK_HALF)
 
 
 def rows_per_program(num_tokens: int, num_q_heads: int, num_kv_heads: int, on_device: bool,
@@ -171,6 +193,33 @@ def can_fuse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tenso
             and (not has_norm or triton.next_power_of_2(head_dim) <= MAX_NORM_HEAD_DIM))
 
 
+def check_qk_inputs(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                    q_weight: torch.Tensor | None, k_weight: torch.Tensor | None) -> bool:
+    """One clear line naming the field when the q/k/v views, rotary tables, norm weights or cache do not fit
+    (this kernel and decode_rotary_attention's prologue); returns whether there are norms."""
+    has_norm = q_weight is not None
+    if (k_weight is not None) != has_norm:
+        raise ValueError(f"{kernel}: q_weight and k_weight come together")
+    if not can_fuse(q, k, v, cos, sin, has_norm):
+        raise ValueError(f"{kernel}: q/k/v must be [T, H, D] with a contiguous last dim and even D "
+                         f"(<= {MAX_NORM_HEAD_DIM} with norms), cos/sin [T, D/2] with equal strides; got q "
+                         f"{tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} cos {tuple(cos.shape)}")
+    num_tokens, _, head_dim = q.shape
+    half = head_dim // 2
+    if k.shape[0] != num_tokens or q.dtype != k.dtype or v.dtype != k.dtype:
+        raise ValueError(f"{kernel}: q {tuple(q.shape)} {q.dtype} and k {tuple(k.shape)} {k.dtype} "
+                         f"must share tokens and dtype")
+    if cos.shape != (num_tokens, half) or sin.shape != cos.shape:
+        raise ValueError(f"{kernel}: cos/sin must be [{num_tokens}, {half}], got {tuple(cos.shape)} "
+                         f"and {tuple(sin.shape)}")
+    if has_norm and (q_weight.shape != (head_dim,) or k_weight.shape != (head_dim,)):
+        raise ValueError(f"{kernel}: norm weights must be [{head_dim}], got {tuple(q_weight.shape)}, "
+                         f"{tuple(k_weight.shape)}")
+    _check_store_shapes(k, v, k_cache, v_cache, slot_mapping)
+    return has_norm
+
+
 def qk_norm_rope_store(
     q: torch.Tensor,  # [T, Hq, D], last dim contiguous (a strided slice of the qkv projection output)
     k: torch.Tensor,  # [T, Hkv, D], same
@@ -188,25 +237,10 @@ def qk_norm_rope_store(
 ) -> torch.Tensor:
     """rotary(norm(q)) -> [T, Hq, D] contiguous in q's dtype; rotary(norm(k)) and v written into the cache.
     The same bits as rms_norm_pair, apply_rotary on q and on k, then store_kv."""
-    has_norm = q_weight is not None
-    if (k_weight is not None) != has_norm:
-        raise ValueError("qk_norm_rope_store: q_weight and k_weight come together")
-    if not can_fuse(q, k, v, cos, sin, has_norm):
-        raise ValueError(f"qk_norm_rope_store: q/k/v must be [T, H, D] with a contiguous last dim and even D "
-                         f"(<= {MAX_NORM_HEAD_DIM} with norms), cos/sin [T, D/2] with equal strides; got q "
-                         f"{tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} cos {tuple(cos.shape)}")
+    has_norm = check_qk_inputs("qk_norm_rope_store", q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_weight,
+                               k_weight)
     num_tokens, num_q_heads, head_dim = q.shape
     half = head_dim // 2
-    if k.shape[0] != num_tokens or q.dtype != k.dtype or v.dtype != k.dtype:
-        raise ValueError(f"qk_norm_rope_store: q {tuple(q.shape)} {q.dtype} and k {tuple(k.shape)} {k.dtype} "
-                         f"must share tokens and dtype")
-    if cos.shape != (num_tokens, half) or sin.shape != cos.shape:
-        raise ValueError(f"qk_norm_rope_store: cos/sin must be [{num_tokens}, {half}], got {tuple(cos.shape)} "
-                         f"and {tuple(sin.shape)}")
-    if has_norm and (q_weight.shape != (head_dim,) or k_weight.shape != (head_dim,)):
-        raise ValueError(f"qk_norm_rope_store: norm weights must be [{head_dim}], got {tuple(q_weight.shape)}, "
-                         f"{tuple(k_weight.shape)}")
-    _check_store_shapes(k, v, k_cache, v_cache, slot_mapping)
     quantize = check_kv_scales("qk_norm_rope_store", k_cache, k_scale, v_scale)
     if k_cache.stride(3) != 1:
         raise ValueError("qk_norm_rope_store: k_cache/v_cache head_dim must be contiguous")

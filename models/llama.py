@@ -57,17 +57,38 @@ class LlamaAttention(nn.Module):
         """`transform_qk` as (q weight, k weight, eps) of a per-head RMSNorm, for the fused kernel; None: none."""
         return None
 
+    def forward(self, hidden: torch.Tensor, cos_sin: CosSin, attn: AttentionMetadata) -> torch.Tensor:
+        """hidden [T, hidden] -> attention output [T, Hq * D] (before o_proj). A decode step on the Triton path
+        goes from the qkv projection's output to attention's in one launch (the q/k transform, rotary and K/V
+        store inside the decode kernel); otherwise `project`, then `attn.attend`."""
+        q, k, v = self._qkv(hidden)
+        if self._transform_fuses():
+            out = self.attn.rotate_store_attend(q, k, v, cos_sin, attn, self.qk_norm())
+            if out is not None:
+                return out
+        return self.attn.attend(*self._rotate_store(q, k, v, cos_sin, attn), attn)
+
     def project(self, hidden: torch.Tensor, cos_sin: CosSin, attn: AttentionMetadata
                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """qkv projection, q/k transform, rotary, K/V stored into the cache -> (q, k, v), each [T, heads * D].
         On the fused Triton path (a cache bound) k and v are only in the cache: (q, None, None)."""
+        return self._rotate_store(*self._qkv(hidden), cos_sin, attn)
+
+    def _qkv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The qkv projection as views: q [T, Hq, D], k [T, Hkv, D], v [T, Hkv * D]."""
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        q = q.reshape(num_tokens, -1, self.head_dim)
-        k = k.reshape(num_tokens, -1, self.head_dim)
-        qk_norm = self.qk_norm()
-        if qk_norm is not None or type(self).transform_qk is LlamaAttention.transform_qk:  # other transforms: unfused
-            fused = self.attn.rotate_and_store(q, k, v, cos_sin, attn, qk_norm)
+        return q.reshape(num_tokens, -1, self.head_dim), k.reshape(num_tokens, -1, self.head_dim), v
+
+    def _transform_fuses(self) -> bool:
+        """Whether the Triton kernels can do this layer's q/k transform (a per-head norm, or none)."""
+        return self.qk_norm() is not None or type(self).transform_qk is LlamaAttention.transform_qk
+
+    def _rotate_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: CosSin,
+                      attn: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        num_tokens = q.shape[0]
+        if self._transform_fuses():
+            fused = self.attn.rotate_and_store(q, k, v, cos_sin, attn, self.qk_norm())
             if fused is not None:
                 return fused.reshape(num_tokens, -1), None, None
         q, k = self.transform_qk(q, k)
@@ -91,12 +112,14 @@ class LlamaDecoderLayer(nn.Module):
                          ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
         """Residual add + norm, q/k/v with K/V stored -> (q, k, v, residual). Only `attn.slot_mapping` is
         read, so this half runs inside the piecewise CUDA graphs."""
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = self._input_norm(hidden, residual)
         q, k, v = self.self_attn.project(hidden, cos_sin, attn)
         return q, k, v, residual
+
+    def _input_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self.input_layernorm(hidden), hidden
+        return self.input_layernorm(hidden, residual)
 
     def after_attention(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """o_proj, residual add + norm, MLP -> (this layer's MLP output, the residual stream before it)."""
@@ -105,9 +128,11 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos_sin: CosSin,
                 attn: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (this layer's MLP output, the residual stream before it); their sum is the output."""
-        q, k, v, residual = self.before_attention(hidden, residual, cos_sin, attn)
-        return self.after_attention(self.self_attn.attn.attend(q, k, v, attn), residual)
+        """Returns (this layer's MLP output, the residual stream before it); their sum is the output. The
+        same parts as before_attention, attention, after_attention (the piecewise graphs' split), but a decode
+        step may take the projection to attention in one launch (`LlamaAttention.forward`)."""
+        hidden, residual = self._input_norm(hidden, residual)
+        return self.after_attention(self.self_attn(hidden, cos_sin, attn), residual)
 
 
 class LlamaModel(nn.Module):

@@ -1,6 +1,7 @@
 """Attention: store this step's K/V into the paged cache, then attend over each sequence's cache.
 
-On the Triton path the store is fused with the q/k norm and rotary before it (`rotate_and_store`).
+On the Triton path the store is fused with the q/k norm and rotary before it (`rotate_and_store`), and on
+a decode step all of it runs inside the decode attention launch (`rotate_store_attend`).
 
 The layer owns no weights; it is the one place that knows the attention backends. Heads here are
 this rank's heads. The engine binds `k_cache`/`v_cache` ([num_blocks, block_size, num_kv_heads,
@@ -20,6 +21,7 @@ from spmd_engine.models.attention_metadata import AttentionMetadata
 
 ATTENTION_BACKENDS = ("torch", "triton")
 _mixed_attention = None  # spmd_engine.kernels.mixed_attention once the Triton path first runs
+_rotary_decode = None  # spmd_engine.kernels.decode_rotary_attention, the same way
 
 
 class Attention(nn.Module):
@@ -83,6 +85,29 @@ class Attention(nn.Module):
         q_weight, k_weight, eps = qk_norm if qk_norm is not None else (None, None, 0.0)
         return qk_norm_rope_store(q, k, v, *cos_sin, self.k_cache, self.v_cache, attn.slot_mapping, q_weight,
                                   k_weight, eps, self.k_scale, self.v_scale)
+
+    def rotate_store_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            cos_sin: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata,
+                            qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None) -> torch.Tensor | None:
+        """A decode step on the Triton path with a cache bound: `rotate_and_store` and `attend` in one launch
+        (kernels/decode_rotary_attention.py: the decode kernel's programs norm and rotate their q/k and store
+        the new K/V first; the same bits) -> [T, Hq*D]. None where it does not apply: the caller then runs
+        the two. Which one depends only on the layer, the step kind and the shapes (graph-safe)."""
+        global _rotary_decode
+        if self.backend != "triton" or self.k_cache is None or not attn.is_decode:
+            return None
+        if _rotary_decode is None:
+            from spmd_engine.kernels import decode_rotary_attention as _rotary_decode
+        num_tokens = q.shape[0]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if not (_rotary_decode.ROTARY_IN_DECODE
+                and _rotary_decode.can_rotate_in_decode(q, k, v, *cos_sin, qk_norm is not None, self.k_cache)):
+            return None
+        q_weight, k_weight, eps = qk_norm if qk_norm is not None else (None, None, 0.0)
+        out = _rotary_decode.rotary_decode_attention(
+            q, k, v, *cos_sin, self.k_cache, self.v_cache, attn.slot_mapping, attn.seq_lens, attn.block_tables,
+            self.scale, q_weight=q_weight, k_weight=k_weight, eps=eps, k_scale=self.k_scale, v_scale=self.v_scale)
+        return out.view(num_tokens, self.num_heads * self.head_dim)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, attn: AttentionMetadata,
                out: torch.Tensor | None = None) -> torch.Tensor:

@@ -106,9 +106,12 @@ def test_model_logits_are_bit_identical_with_and_without_the_fusion(monkeypatch,
     finally:
         torch.set_default_dtype(previous)
     load_dummy_weights(model, 0)
-    fused_logits = greedy_logits(model, prompts, steps=6)
+    fused_logits = greedy_logits(model, prompts, steps=6)  # decode steps: q/k prepared inside decode attention
+    monkeypatch.setattr(Attention, "rotate_store_attend", lambda *args: None)  # the store kernel, then attention
+    two_launch_logits = greedy_logits(model, prompts, steps=6)
     monkeypatch.setattr(Attention, "rotate_and_store", lambda *args: None)  # norm, rotary, store apart
     unfused_logits = greedy_logits(model, prompts, steps=6)
-    assert len(fused_logits) == len(unfused_logits) == 7
-    for step, (got, want) in enumerate(zip(fused_logits, unfused_logits)):
-        assert torch.equal(got, want), f"forward {step}: logits differ"
+    assert len(fused_logits) == len(two_launch_logits) == len(unfused_logits) == 7
+    for step, (got, two, want) in enumerate(zip(fused_logits, two_launch_logits, unfused_logits)):
+        assert torch.equal(got, two), f"forward {step}: logits differ from the store kernel's path"
+        assert torch.equal(got, want), f"forward {step}: logits differ from the unfused path"

@@ -40,17 +40,23 @@ class Layer:
     v_scale: torch.Tensor | None
 
 
-def make_layer(tokens: int, hq: int, hkv: int, head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype,
-               block_size: int, norms: bool, slot_dtype: torch.dtype = torch.int64, seed: int = 0,
-               device: torch.device = DEVICE) -> Layer:
-    gen = torch.Generator().manual_seed(seed)
+def qkv_views(tokens: int, hq: int, hkv: int, head_dim: int, dtype: torch.dtype, gen: torch.Generator,
+              device: torch.device = DEVICE) -> tuple[torch.Tensor, ...]:
+    """q, k, v as strided views of one qkv row per token (8 unrelated columns after it), and cos/sin."""
     width = (hq + 2 * hkv) * head_dim
-    qkv = (3 * torch.randn(tokens, width + 8, generator=gen)).to(dtype).to(device)  # 8 unrelated columns
+    qkv = (3 * torch.randn(tokens, width + 8, generator=gen)).to(dtype).to(device)
     q = qkv[:, : hq * head_dim].view(tokens, hq, head_dim)
     k = qkv[:, hq * head_dim: (hq + hkv) * head_dim].view(tokens, hkv, head_dim)
     v = qkv[:, (hq + hkv) * head_dim: width].view(tokens, hkv, head_dim)
     angles = torch.rand(tokens, head_dim // 2, generator=gen) * 50
-    cos, sin = angles.cos().to(dtype).to(device), angles.sin().to(dtype).to(device)
+    return q, k, v, angles.cos().to(dtype).to(device), angles.sin().to(dtype).to(device)
+
+
+def make_layer(tokens: int, hq: int, hkv: int, head_dim: int, dtype: torch.dtype, cache_dtype: torch.dtype,
+               block_size: int, norms: bool, slot_dtype: torch.dtype = torch.int64, seed: int = 0,
+               device: torch.device = DEVICE) -> Layer:
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, cos, sin = qkv_views(tokens, hq, hkv, head_dim, dtype, gen, device)
     blocks = -(-tokens // block_size) + 2
     slots = torch.randperm(blocks * block_size, generator=gen)[:tokens]
     slots[torch.rand(tokens, generator=gen) < 0.3] = -1  # padding rows

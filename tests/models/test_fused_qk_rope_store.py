@@ -1,10 +1,12 @@
 """Llama and Qwen3 on the triton backend (TRITON_INTERPRET on CPU) take the fused q/k norm + rotary + KV
-store kernel once a cache is bound, one launch per layer, and produce what the unfused path produces."""
+store kernel once a cache is bound, one launch per layer (on decode steps inside the decode attention launch),
+and produce what the unfused path produces."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+import spmd_engine.kernels.decode_rotary_attention as rotary_decode_module
 import spmd_engine.kernels.qk_norm_rope_store as fused_module
 from spmd_engine.models.layers.attention import Attention
 from spmd_engine.models.loader import load_dummy_weights
@@ -38,21 +40,32 @@ def build(arch: str) -> torch.nn.Module:
 @pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "LlamaForCausalLM"])
 def test_fused_path_matches_the_unfused_one(monkeypatch, arch):
     model = build(arch)
-    calls = []
-    fused_kernel = fused_module.qk_norm_rope_store
+    calls, decode_calls = [], []
+    fused_kernel, decode_kernel = fused_module.qk_norm_rope_store, rotary_decode_module.rotary_decode_attention
 
     def counting(*args, **kwargs):
         calls.append(kwargs.get("q_weight", args[8] if len(args) > 8 else None) is not None)
         return fused_kernel(*args, **kwargs)
 
+    def counting_decode(*args, **kwargs):
+        decode_calls.append(kwargs.get("q_weight") is not None)
+        return decode_kernel(*args, **kwargs)
+
     monkeypatch.setattr(fused_module, "qk_norm_rope_store", counting)
+    monkeypatch.setattr(rotary_decode_module, "rotary_decode_attention", counting_decode)
     fused = run_paged(model, PROMPTS, num_steps=3)
-    layers, steps = len(model.decoder_layers()), 1 + 3
-    assert len(calls) == layers * steps  # one launch per layer and step
-    assert all(calls) == (arch == "Qwen3ForCausalLM") and any(calls) == all(calls)  # norms exactly for Qwen3
+    layers = len(model.decoder_layers())
+    assert len(calls) == layers and len(decode_calls) == layers * 3  # prefill: the store kernel; decode: inside
+    assert all(calls + decode_calls) == (arch == "Qwen3ForCausalLM") and any(calls) == all(calls)  # norms: Qwen3
+
+    monkeypatch.setattr(Attention, "rotate_store_attend", lambda *args: None)  # the store kernel, then attention
+    two_launches = run_paged(model, PROMPTS, num_steps=3, forced_tokens=fused.generated)
+    assert len(calls) == layers * (1 + 4) and len(decode_calls) == layers * 3
+    for got, want in zip(fused.decode_logits, two_launches.decode_logits):
+        assert torch.equal(got, want)
 
     monkeypatch.setattr(Attention, "rotate_and_store", lambda *args: None)  # the separate norm/rotary/store
     unfused = run_paged(model, PROMPTS, num_steps=3, forced_tokens=fused.generated)
     for got, want in zip(fused.prefill_logits + fused.decode_logits, unfused.prefill_logits + unfused.decode_logits):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert len(calls) == layers * steps
+    assert len(calls) == layers * (1 + 4) and len(decode_calls) == layers * 3
