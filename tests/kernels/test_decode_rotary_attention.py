@@ -67,6 +67,7 @@ CASES = [
     pytest.param([40, 3, 64], 8, 4, 1, 32, torch.float16, False, False, 0, 3, id="llama-gqa4-splits"),
     pytest.param([70, 16, 9], 16, 2, 2, 16, torch.bfloat16, True, True, 2, 2, id="qwen-mha-fp8-splits"),
     pytest.param([31, 2], 32, 4, 2, 16, torch.float16, True, False, 0, 1, id="llama-fp8"),
+    pytest.param([70, 9], 16, 4, 2, 128, torch.float16, True, True, 1, 2, id="qwen-fp8-d128-splits"),
     gpu_case([200 + 37 * i for i in range(129)], 16, 16, 8, 128, torch.bfloat16, False, True, 15, None),
     gpu_case([200 + 37 * i for i in range(129)], 16, 16, 8, 128, torch.bfloat16, True, True, 15, None),
     gpu_case([650, 4000], 16, 16, 8, 128, torch.bfloat16, False, True, 2, None),  # several splits
