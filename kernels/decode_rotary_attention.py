@@ -37,8 +37,10 @@ from spmd_engine.kernels.paged_kv_tile import fp8_dot_in_f16
 from spmd_engine.kernels.pdl import pdl_launch, pdl_prologue
 from spmd_engine.kernels.qk_norm_rope_store import _cos_sin, can_fuse, check_qk_inputs, rotate_q_rows, store_kv_rows
 
-# Decode steps prepare q/k in the attention launch (True) or run qk_norm_rope_store first (False); same bits.
-ROTARY_IN_DECODE = True
+# The caches whose decode steps prepare q/k inside the attention launch; others run qk_norm_rope_store first (same
+# bits). Measured on an H200, Qwen3-0.6B bench, one call (docs/BENCHMARKS.md, session 15): an fp8 cache's decode
+# step 3.768 -> 3.610 ms of GPU time, a bf16 cache's 4.546 -> 4.574 ms (the longer prologue outweighs the launch).
+ROTARY_IN_DECODE_CACHES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn,)
 
 
 @triton.jit

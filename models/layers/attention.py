@@ -92,7 +92,8 @@ class Attention(nn.Module):
         """A decode step on the Triton path with a cache bound: `rotate_and_store` and `attend` in one launch
         (kernels/decode_rotary_attention.py: the decode kernel's programs norm and rotate their q/k and store
         the new K/V first; the same bits) -> [T, Hq*D]. None where it does not apply: the caller then runs
-        the two. Which one depends only on the layer, the step kind and the shapes (graph-safe)."""
+        the two. Which one depends only on the layer, the cache dtype (`ROTARY_IN_DECODE_CACHES`: where it was
+        measured faster), the step kind and the shapes (graph-safe)."""
         global _rotary_decode
         if self.backend != "triton" or self.k_cache is None or not attn.is_decode:
             return None
@@ -100,7 +101,7 @@ class Attention(nn.Module):
             from spmd_engine.kernels import decode_rotary_attention as _rotary_decode
         num_tokens = q.shape[0]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if not (_rotary_decode.ROTARY_IN_DECODE
+        if not (self.k_cache.dtype in _rotary_decode.ROTARY_IN_DECODE_CACHES
                 and _rotary_decode.can_rotate_in_decode(q, k, v, *cos_sin, qk_norm is not None, self.k_cache)):
             return None
         q_weight, k_weight, eps = qk_norm if qk_norm is not None else (None, None, 0.0)

@@ -11,6 +11,7 @@ import dataclasses
 import pytest
 import torch
 
+import spmd_engine.kernels.decode_rotary_attention as rotary_decode_module
 from spmd_engine.kernels.kv_quant import FP8_DTYPE
 from spmd_engine.kernels.qk_norm_rope_store import can_fuse, rows_per_program
 from spmd_engine.models.layers.attention import Attention
@@ -58,17 +59,21 @@ def test_every_grouping_is_exercised():
     assert {rows_per_program(t, 16, 8, True) for t in (1, 7, 64, 128, 256, 1024, 8192)} == {1, 2, 4, 8}
 
 
-def greedy_logits(model, prompts: list[list[int]], steps: int, block_size: int = 16) -> list[torch.Tensor]:
-    """Prefill every prompt in one batch, then `steps` greedy decode steps over a bf16 paged cache on CUDA:
-    the logits of each forward."""
+def greedy_logits(model, prompts: list[list[int]], steps: int, cache_dtype: torch.dtype,
+                  block_size: int = 16) -> list[torch.Tensor]:
+    """Prefill every prompt in one batch, then `steps` greedy decode steps over a paged cache on CUDA (an fp8
+    one with fixed per-head scales): the logits of each forward."""
     device, shape = torch.device("cuda"), model.shape
     per_seq = -(-(max(map(len, prompts)) + steps) // block_size)
     num_blocks = per_seq * len(prompts) + 3
     pool = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0))
     tables = pool[: per_seq * len(prompts)].view(len(prompts), per_seq).to(torch.int32)
     heads = model.attention_layers()[0].num_kv_heads
-    model.bind_kv_cache([tuple(torch.zeros(num_blocks, block_size, heads, shape.head_dim, dtype=torch.bfloat16,
+    model.bind_kv_cache([tuple(torch.zeros(num_blocks, block_size, heads, shape.head_dim, dtype=cache_dtype,
                                            device=device) for _ in range(2)) for _ in range(shape.num_layers)])
+    for i, layer in enumerate(model.attention_layers()):
+        scales = None if cache_dtype != FP8_DTYPE else 0.02 * (1 + torch.arange(2 * heads, device=device) + i)
+        layer.k_scale, layer.v_scale = (None, None) if scales is None else scales.float().split(heads)
 
     def forward(tokens: list[int], positions: list[list[int]], is_decode: bool) -> torch.Tensor:
         meta = _metadata(positions, tables, block_size, is_decode)
@@ -86,13 +91,22 @@ def greedy_logits(model, prompts: list[list[int]], steps: int, block_size: int =
         out.append(forward(last.argmax(-1).tolist(), [[n] for n in lengths], True))
         last, lengths = out[-1], [n + 1 for n in lengths]
     model.bind_kv_cache([(None, None)] * shape.num_layers)
+    for layer in model.attention_layers():
+        layer.k_scale = layer.v_scale = None
     return out
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8_DTYPE])
 @pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "LlamaForCausalLM"])
 @torch.inference_mode()
-def test_model_logits_are_bit_identical_with_and_without_the_fusion(monkeypatch, arch):
-    """Prefill and greedy decode (the token chosen from each run's own logits: equal logits, equal tokens)."""
+def test_model_logits_are_bit_identical_with_and_without_the_fusion(monkeypatch, arch, cache_dtype):
+    """Prefill and greedy decode (the token chosen from each run's own logits: equal logits, equal tokens);
+    decode steps prepare q/k inside decode attention on either cache, whichever ones the policy picks."""
+    monkeypatch.setattr(rotary_decode_module, "ROTARY_IN_DECODE_CACHES", (cache_dtype,))
+    launches = []
+    kernel = rotary_decode_module.rotary_decode_attention
+    monkeypatch.setattr(rotary_decode_module, "rotary_decode_attention",
+                        lambda *args, **kwargs: launches.append(1) or kernel(*args, **kwargs))
     hf = {"architectures": [arch], "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 3,
           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1000,
           "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
@@ -106,11 +120,13 @@ def test_model_logits_are_bit_identical_with_and_without_the_fusion(monkeypatch,
     finally:
         torch.set_default_dtype(previous)
     load_dummy_weights(model, 0)
-    fused_logits = greedy_logits(model, prompts, steps=6)  # decode steps: q/k prepared inside decode attention
+    fused_logits = greedy_logits(model, prompts, 6, cache_dtype)  # decode: q/k prepared inside decode attention
+    assert len(launches) == 6 * 3  # every decode step's layers
     monkeypatch.setattr(Attention, "rotate_store_attend", lambda *args: None)  # the store kernel, then attention
-    two_launch_logits = greedy_logits(model, prompts, steps=6)
+    two_launch_logits = greedy_logits(model, prompts, 6, cache_dtype)
     monkeypatch.setattr(Attention, "rotate_and_store", lambda *args: None)  # norm, rotary, store apart
-    unfused_logits = greedy_logits(model, prompts, steps=6)
+    unfused_logits = greedy_logits(model, prompts, 6, cache_dtype)
+    assert len(launches) == 6 * 3
     assert len(fused_logits) == len(two_launch_logits) == len(unfused_logits) == 7
     for step, (got, two, want) in enumerate(zip(fused_logits, two_launch_logits, unfused_logits)):
         assert torch.equal(got, two), f"forward {step}: logits differ from the store kernel's path"

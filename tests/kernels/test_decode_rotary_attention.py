@@ -78,6 +78,8 @@ CASES = [
 @pytest.mark.parametrize("seq_lens,block_size,hq,hkv,head_dim,dtype,fp8,norms,pad,splits", CASES)
 def test_one_launch_is_bitwise_qk_norm_rope_store_then_decode(seq_lens, block_size, hq, hkv, head_dim, dtype, fp8,
                                                               norms, pad, splits):
+    if dtype == torch.float32 and DEVICE.type == "cuda":
+        pytest.skip("a float32 model on CUDA keeps the separate kernels (qk_norm_rope_store.can_fuse)")
     layer = decode_layer(seq_lens, block_size, hq, hkv, head_dim, dtype, fp8, norms, pad, seed=len(seq_lens))
     config = CPU_TILE if DEVICE.type == "cpu" else None
     expected = two_launches(*layer, config, splits)
@@ -100,8 +102,9 @@ def test_one_launch_is_bitwise_qk_norm_rope_store_then_decode(seq_lens, block_si
 
 def test_every_layer_of_a_step_through_one_scratch_layout():
     """Two calls in a row (two layers of a step, other caches) keep each other's caches untouched."""
-    first = decode_layer([9, 30], 16, 4, 2, 16, torch.float32, False, True, 0, seed=3)
-    second = decode_layer([9, 30], 16, 4, 2, 16, torch.float32, False, True, 0, seed=4)
+    dtype = torch.float32 if DEVICE.type == "cpu" else torch.bfloat16  # float32 on CUDA: not fused (can_fuse)
+    first = decode_layer([9, 30], 16, 4, 2, 16, dtype, False, True, 0, seed=3)
+    second = decode_layer([9, 30], 16, 4, 2, 16, dtype, False, True, 0, seed=4)
     config = CPU_TILE if DEVICE.type == "cpu" else None
     a = one_launch(*first, config, 2)
     b = one_launch(*second, config, 2)

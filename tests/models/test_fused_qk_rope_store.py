@@ -39,6 +39,7 @@ def build(arch: str) -> torch.nn.Module:
 
 @pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "LlamaForCausalLM"])
 def test_fused_path_matches_the_unfused_one(monkeypatch, arch):
+    monkeypatch.setattr(rotary_decode_module, "ROTARY_IN_DECODE_CACHES", (torch.float32,))  # this test's cache
     model = build(arch)
     calls, decode_calls = [], []
     fused_kernel, decode_kernel = fused_module.qk_norm_rope_store, rotary_decode_module.rotary_decode_attention
@@ -69,3 +70,18 @@ def test_fused_path_matches_the_unfused_one(monkeypatch, arch):
     for got, want in zip(fused.prefill_logits + fused.decode_logits, unfused.prefill_logits + unfused.decode_logits):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert len(calls) == layers * (1 + 4) and len(decode_calls) == layers * 3
+
+
+def test_decode_steps_prepare_q_k_inside_attention_only_on_the_caches_named(monkeypatch):
+    """By default only an fp8 cache's decode steps go through the rotary decode kernel (measured faster there);
+    a 16/32-bit cache's run the store kernel, then decode attention."""
+    assert rotary_decode_module.ROTARY_IN_DECODE_CACHES == (torch.float8_e4m3fn,)
+    model = build("Qwen3ForCausalLM")
+    calls, decode_calls = [], []
+    fused_kernel, decode_kernel = fused_module.qk_norm_rope_store, rotary_decode_module.rotary_decode_attention
+    monkeypatch.setattr(fused_module, "qk_norm_rope_store", lambda *a, **k: calls.append(1) or fused_kernel(*a, **k))
+    monkeypatch.setattr(rotary_decode_module, "rotary_decode_attention",
+                        lambda *a, **k: decode_calls.append(1) or decode_kernel(*a, **k))
+    run_paged(model, PROMPTS, num_steps=2)
+    layers = len(model.decoder_layers())
+    assert len(calls) == layers * 3 and not decode_calls
