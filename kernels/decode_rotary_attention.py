@@ -32,7 +32,7 @@ from spmd_engine.kernels.decode_attention import (
     split_count,
 )
 import spmd_engine.kernels.decode_attention as decode_attention
-from spmd_engine.kernels.kv_quant import check_kv_scales
+from spmd_engine.kernels.kv_quant import FP8_DTYPE, check_kv_scales
 from spmd_engine.kernels.paged_kv_tile import fp8_dot_in_f16
 from spmd_engine.kernels.pdl import pdl_launch, pdl_prologue
 from spmd_engine.kernels.qk_norm_rope_store import _cos_sin, can_fuse, check_qk_inputs, rotate_q_rows, store_kv_rows
@@ -40,7 +40,7 @@ from spmd_engine.kernels.qk_norm_rope_store import _cos_sin, can_fuse, check_qk_
 # The caches whose decode steps prepare q/k inside the attention launch; others run qk_norm_rope_store first (same
 # bits). Measured on an H200, Qwen3-0.6B bench, one call (docs/BENCHMARKS.md, session 15): an fp8 cache's decode
 # step 3.768 -> 3.610 ms of GPU time, a bf16 cache's 4.546 -> 4.574 ms (the longer prologue outweighs the launch).
-ROTARY_IN_DECODE_CACHES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn,)
+ROTARY_IN_DECODE_CACHES: tuple[torch.dtype, ...] = (FP8_DTYPE,)
 
 
 @triton.jit
@@ -104,7 +104,7 @@ def can_rotate_in_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos:
     """Whether `rotary_decode_attention` takes these tensors (else: qk_norm_rope_store, then decode attention)."""
     if not can_fuse(q, k, v, cos, sin, has_norm):
         return False
-    cfg = config or default_decode_config(q.shape[-1], q.device, k_cache.dtype == torch.float8_e4m3fn)
+    cfg = config or default_decode_config(q.shape[-1], q.device, k_cache.dtype == FP8_DTYPE)
     return prologue_rows(cfg.num_warps, q.shape[-1], q.element_size()) > 0
 
 
