@@ -99,10 +99,11 @@ class Attention(nn.Module):
             return None
         if _rotary_decode is None:
             from spmd_engine.kernels import decode_rotary_attention as _rotary_decode
+        if self.k_cache.dtype not in _rotary_decode.ROTARY_IN_DECODE_CACHES:
+            return None
         num_tokens = q.shape[0]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if not (self.k_cache.dtype in _rotary_decode.ROTARY_IN_DECODE_CACHES
-                and _rotary_decode.can_rotate_in_decode(q, k, v, *cos_sin, qk_norm is not None, self.k_cache)):
+        if not _rotary_decode.can_rotate_in_decode(q, k, v, *cos_sin, qk_norm is not None, self.k_cache):
             return None
         q_weight, k_weight, eps = qk_norm if qk_norm is not None else (None, None, 0.0)
         out = _rotary_decode.rotary_decode_attention(
