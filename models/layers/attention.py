@@ -24,6 +24,13 @@ _mixed_attention = None  # spmd_engine.kernels.mixed_attention once the Triton p
 _rotary_decode = None  # spmd_engine.kernels.decode_rotary_attention, the same way
 
 
+def _fp8_cuda_decode(k_cache: torch.Tensor) -> bool:
+    """Experiment switch: SPMD_ENGINE_FP8_DECODE=cuda sends fp8 decode steps to the CUDA kernel."""
+    import os
+
+    return k_cache.dtype == torch.float8_e4m3fn and os.environ.get("SPMD_ENGINE_FP8_DECODE") == "cuda"
+
+
 class Attention(nn.Module):
     """q [T, Hq*D], k/v [T, Hkv*D] -> [T, Hq*D] (causal, GQA, paged KV cache)."""
 
@@ -99,6 +106,8 @@ class Attention(nn.Module):
             return None
         if _rotary_decode is None:
             from spmd_engine.kernels import decode_rotary_attention as _rotary_decode
+        if _fp8_cuda_decode(self.k_cache):
+            return self._fp8_cuda_decode(q, k, v, cos_sin, attn, qk_norm)
         if self.k_cache.dtype not in _rotary_decode.ROTARY_IN_DECODE_CACHES:
             return None
         num_tokens = q.shape[0]
@@ -109,6 +118,24 @@ class Attention(nn.Module):
         out = _rotary_decode.rotary_decode_attention(
             q, k, v, *cos_sin, self.k_cache, self.v_cache, attn.slot_mapping, attn.seq_lens, attn.block_tables,
             self.scale, q_weight=q_weight, k_weight=k_weight, eps=eps, k_scale=self.k_scale, v_scale=self.v_scale)
+        return out.view(num_tokens, self.num_heads * self.head_dim)
+
+    def _fp8_cuda_decode(self, q, k, v, cos_sin, attn: AttentionMetadata, qk_norm) -> torch.Tensor | None:
+        """An fp8 decode step through the CUDA kernel (kernels/decode_attention_fp8_cuda.py): norm, rotary and
+        the K/V store in one Triton launch, then attention. None where the shapes do not fit either kernel."""
+        from spmd_engine.kernels import decode_attention_fp8_cuda as fp8_cuda
+        from spmd_engine.kernels.qk_norm_rope_store import can_fuse
+
+        num_tokens = q.shape[0]
+        if not can_fuse(q, k, v.view(num_tokens, self.num_kv_heads, self.head_dim), *cos_sin, qk_norm is not None):
+            return None
+        probe = q.view(num_tokens, self.num_heads, self.head_dim)
+        if not fp8_cuda.supports(probe, self.k_cache, self.v_cache):
+            return None
+        rotated = self.rotate_and_store(q, k, v, cos_sin, attn, qk_norm).view(probe.shape)
+        out = fp8_cuda.paged_decode_attention_fp8(rotated, self.k_cache, self.v_cache, attn.seq_lens,
+                                                  attn.block_tables, self.scale, k_scale=self.k_scale,
+                                                  v_scale=self.v_scale)
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, attn: AttentionMetadata,

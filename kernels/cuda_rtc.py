@@ -1,0 +1,134 @@
+"""CUDA C++ kernels compiled at run time with NVRTC and launched through the driver API (ctypes).
+
+Why: a kernel that must choose its own register layouts (the fp8 decode attention: e4m3 operands
+converted straight into the MMA fragments) cannot be written in Triton, and a torch C++ extension
+needs nvcc, a host compiler and a minute of build per machine. NVRTC ships with every CUDA build of
+torch (`libnvrtc`), compiles one kernel in about a second, and the driver launch goes on torch's
+current stream, so CUDA graphs capture it like any other kernel. The sources include no headers
+(inline PTX and builtins only): nothing but the two libraries is needed.
+"""
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import sys
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+_NVRTC_SUCCESS = 0
+_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+_CU_FUNC_ATTRIBUTE_NUM_REGS = 4
+
+
+class CudaRtcUnavailable(RuntimeError):
+    """NVRTC or the CUDA driver library cannot be loaded here (callers fall back to Triton)."""
+
+
+def _candidate_nvrtc_paths() -> list[str]:
+    major = (torch.version.cuda or "12").split(".")[0]
+    names = [f"libnvrtc.so.{major}", "libnvrtc.so"]
+    for root in sys.path:  # the pip wheels' layouts: nvidia/cuda_nvrtc/lib (cu12), nvidia/cu13/lib (cu13)
+        for pattern in ("nvidia/cuda_nvrtc/lib/libnvrtc.so*", "nvidia/cu*/lib/libnvrtc.so*"):
+            names += sorted(p for p in glob.glob(os.path.join(root, pattern)) if "builtins" not in p
+                            and ".alt." not in p)
+    cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    names += sorted(glob.glob(os.path.join(cuda_home, "lib64", "libnvrtc.so*")))
+    return names
+
+
+@lru_cache(maxsize=1)
+def _nvrtc() -> ctypes.CDLL:
+    errors = []
+    for name in _candidate_nvrtc_paths():
+        try:
+            return ctypes.CDLL(name)
+        except OSError as err:
+            errors.append(str(err))
+    raise CudaRtcUnavailable("NVRTC not found: " + "; ".join(errors[-3:]))
+
+
+@lru_cache(maxsize=1)
+def _driver() -> ctypes.CDLL:
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError as err:
+        raise CudaRtcUnavailable(f"libcuda.so.1 not loadable: {err}") from err
+
+
+def _check_driver(result: int, what: str) -> None:
+    if result != 0:
+        name = ctypes.c_char_p()
+        _driver().cuGetErrorString(result, ctypes.byref(name))
+        raise RuntimeError(f"{what}: CUDA driver error {result} ({(name.value or b'?').decode()})")
+
+
+def nvrtc_compile(source: str, name: str, arch: str, defines: dict[str, int | str]) -> bytes:
+    """Source -> cubin for `arch` (e.g. "sm_90"); one clear error with NVRTC's log on failure."""
+    lib = _nvrtc()
+    prog = ctypes.c_void_p()
+    if lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None):
+        raise RuntimeError(f"nvrtcCreateProgram failed for {name}")
+    options = [f"--gpu-architecture={arch}", "--std=c++17", "-default-device", "--use_fast_math"]
+    options += [f"-D{key}={value}" for key, value in sorted(defines.items())]
+    encoded = [o.encode() for o in options]
+    array = (ctypes.c_char_p * len(encoded))(*encoded)
+    try:
+        result = lib.nvrtcCompileProgram(prog, len(encoded), array)
+        if result != _NVRTC_SUCCESS:
+            size = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetProgramLog(prog, log)
+            raise RuntimeError(f"NVRTC could not compile {name} ({' '.join(options)}):\n{log.value.decode()}")
+        size = ctypes.c_size_t()
+        lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+        cubin = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetCUBIN(prog, cubin)
+        return cubin.raw
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+@dataclass
+class CudaKernel:
+    """One loaded kernel: `launch(grid, args)` on torch's current stream. `arg_types` are ctypes types
+    in the kernel's parameter order (pointers as c_void_p: pass tensors or ints)."""
+
+    function: ctypes.c_void_p
+    module: ctypes.c_void_p
+    arg_types: tuple
+    threads: int
+    shared_bytes: int
+    registers: int
+
+    def launch(self, grid: tuple[int, int, int], args: list) -> None:
+        values = []
+        for kind, arg in zip(self.arg_types, args, strict=True):
+            if isinstance(arg, torch.Tensor):
+                arg = arg.data_ptr()
+            values.append(kind(arg))
+        params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
+        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        _check_driver(_driver().cuLaunchKernel(
+            self.function, grid[0], grid[1], grid[2], self.threads, 1, 1, self.shared_bytes, stream, params, None,
+        ), "cuLaunchKernel")
+
+
+def load_kernel(cubin: bytes, name: str, arg_types: tuple, threads: int, shared_bytes: int) -> CudaKernel:
+    """Load `cubin` into the current context (torch's, on its current device) and fetch `name`."""
+    torch.cuda.init()
+    driver = _driver()
+    module = ctypes.c_void_p()
+    _check_driver(driver.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(cubin)), f"loading {name}")
+    function = ctypes.c_void_p()
+    _check_driver(driver.cuModuleGetFunction(ctypes.byref(function), module, name.encode()), f"finding {name}")
+    if shared_bytes > 48 * 1024:
+        _check_driver(driver.cuFuncSetAttribute(function, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                                shared_bytes), f"shared memory of {name}")
+    registers = ctypes.c_int()
+    _check_driver(driver.cuFuncGetAttribute(ctypes.byref(registers), _CU_FUNC_ATTRIBUTE_NUM_REGS, function),
+                  f"registers of {name}")
+    return CudaKernel(function, module, arg_types, threads, shared_bytes, registers.value)
