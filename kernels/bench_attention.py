@@ -5,7 +5,8 @@ compute-bound (reported as TFLOP/s over the causal QK^T and PV products). Every 
 relative error against `kernels/reference.py`. Run: `PYTHONPATH=. python kernels/bench_attention.py`
 (`--sweep` additionally times a grid of tile configs to pick the defaults; `--splits` times only batch-1
 decode by split count, the basis of MIN_TOKENS_PER_SPLIT; `--kv-fp8` stores the caches
-as float8 e4m3 with per-KV-head scales, the `kv_cache_dtype=fp8` path: GB/s then counts 1-byte K/V).
+as float8 e4m3 with per-KV-head scales, the `kv_cache_dtype=fp8` path: GB/s then counts 1-byte K/V, and
+`decode-cuda` rows time the CUDA kernel of `cuda_fp8_decode` beside the Triton one).
 The `merge` rows time the decode's split merge both ways, replayed in a CUDA graph as the engine runs
 it: a second launch, or fused into the split kernel (`fused_merge`), and check their bits are equal.
 """
@@ -27,6 +28,7 @@ from spmd_engine.kernels.decode_attention import (
     paged_decode_attention,
     split_count,
 )
+from spmd_engine.kernels import decode_attention_fp8_cuda as fp8_cuda
 from spmd_engine.kernels.kv_quant import FP8_DTYPE
 from spmd_engine.kernels.kv_store import store_kv
 from spmd_engine.kernels.mixed_attention import plan_paged_attention
@@ -87,15 +89,22 @@ def copy_bandwidth_gbs() -> float:
     return 2 * src.numel() / ms / 1e6
 
 
-def bench_decode(batch: int, context: int, block_size: int, config: DecodeConfig | None = None):
+def bench_decode(batch: int, context: int, block_size: int, config: DecodeConfig | None = None,
+                 cuda_kernel: bool = False):
+    """`cuda_kernel`: the fp8 cache's CUDA kernel (kernels/decode_attention_fp8_cuda.py) instead of Triton's."""
     q, kc, vc, cu, lens, tables = paged_inputs(1, (context,) * batch, block_size)
     scale = HEAD_DIM**-0.5
     out = torch.empty_like(q)
     scales = kv_scales()
-    run = lambda: paged_decode_attention(q, kc, vc, lens, tables, scale, out=out, config=config, **scales)  # noqa: E731
+    if cuda_kernel:
+        config = fp8_cuda.decode_config()
+        run = lambda: fp8_cuda.paged_decode_attention_fp8(q, kc, vc, lens, tables, scale, out=out, **scales)  # noqa: E731
+    else:
+        run = lambda: paged_decode_attention(q, kc, vc, lens, tables, scale, out=out, config=config, **scales)  # noqa: E731
     run()
-    err = rel_error(out, paged_attention_reference(q, kc, vc, cu, lens, tables, scale, **scales)) if config is None else 0.0
-    ms = median_ms(run, rep=200 if config is None else 60)
+    checked = config is None or cuda_kernel
+    err = rel_error(out, paged_attention_reference(q, kc, vc, cu, lens, tables, scale, **scales)) if checked else 0.0
+    ms = median_ms(run, rep=200 if checked else 60)
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * kc.element_size()
     io_bytes = 2 * q.numel() * q.element_size() + tables.numel() * 4
     cfg = config or default_decode_config(HEAD_DIM, q.device, KV_FP8)
@@ -295,11 +304,12 @@ def main() -> None:
     rows = []
     for block_size in (16, 256):
         for batch, context in itertools.product((1, 64, 256), (512, 2048)):
-            ms, gbs, err, splits = bench_decode(batch, context, block_size)
-            rows.append(
-                f"decode   B={batch:<4} ctx={context:<5} bs={block_size:<4} {ms * 1e3:10.1f} us "
-                f"{gbs:8.0f} GB/s   rel_err {err:.1e}  splits={splits}"
-            )
+            for cuda_kernel in (False, True) if KV_FP8 and fp8_cuda.usable(device) else (False,):
+                ms, gbs, err, splits = bench_decode(batch, context, block_size, cuda_kernel=cuda_kernel)
+                rows.append(
+                    f"decode{'-cuda' if cuda_kernel else '     '} B={batch:<4} ctx={context:<5} bs={block_size:<4} "
+                    f"{ms * 1e3:10.1f} us {gbs:8.0f} GB/s   rel_err {err:.1e}  splits={splits}"
+                )
         for batch, context in itertools.product((1, 64), (512, 2048)):
             two_us, fused_us, same, splits = bench_decode_merge(batch, context, block_size)
             rows.append(

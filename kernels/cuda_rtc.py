@@ -58,6 +58,17 @@ def _driver() -> ctypes.CDLL:
         raise CudaRtcUnavailable(f"libcuda.so.1 not loadable: {err}") from err
 
 
+@lru_cache(maxsize=1)
+def available() -> bool:
+    """NVRTC and the driver library both load here (a CPU-only machine usually has neither)."""
+    try:
+        _nvrtc()
+        _driver()
+    except CudaRtcUnavailable:
+        return False
+    return True
+
+
 def _check_driver(result: int, what: str) -> None:
     if result != 0:
         name = ctypes.c_char_p()

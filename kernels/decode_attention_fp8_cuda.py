@@ -3,7 +3,9 @@
 Why not Triton: Triton gives both operands of a dot fed from 8-bit data its own register layout, so the
 fp8 tiles reach the MMA through byte loads from shared memory and register shuffles; that kernel is
 bound by instruction issue at 71 % of the copy rate where the bf16 kernel reaches ~96 %
-(docs/BENCHMARKS.md, sessions 8-15). Here each warp converts the bytes once into the MMA's own
+(docs/BENCHMARKS.md, sessions 8-15). This one, H200, Qwen3-0.6B heads, one layer: 129 rows x 200..2000
+keys 83.6 us against Triton's 118.5, 256 x 2048 260 us (4.13 TB/s of K/V) against 300; the engine's fp8
+bench 37,650-38,060 output tok/s against 32,720-32,780 (docs/BENCHMARKS.md, session 16). Here each warp converts the bytes once into the MMA's own
 fragments: K and V tiles arrive by `cp.async` into swizzled shared memory, `ldmatrix` (V transposed)
 hands every lane exactly the four e4m3 bytes it needs, and one `cvt.rn.f16x2.e4m3x2` per pair gives
 the float16 operand. The dot products stay in float16 with float32 accumulation, as in the Triton
@@ -26,8 +28,10 @@ import torch
 
 from spmd_engine.kernels import cuda_rtc
 
-BLOCK_N = 64  # keys per tile
-STAGES = 2  # tiles in flight per warp (shared memory: STAGES x 16 KB)
+# keys per tile, and tiles in flight per warp (shared memory: STAGES x 16 KB). H200, one layer, us: 64 / 2 ties
+# 64 / 3 in the engine (37,611 / 38,063 against 37,655 / 37,674 tok/s); 32-key tiles are slower alone
+BLOCK_N = 64
+STAGES = 2
 HEAD_DIM = 128
 
 _SOURCE = r"""
@@ -342,11 +346,16 @@ def source() -> str:
     return _SOURCE
 
 
+@lru_cache(maxsize=None)
+def usable(device: torch.device) -> bool:
+    """A CUDA device with the e4m3 converts (sm_89+) where NVRTC and the driver library load."""
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+            and cuda_rtc.available())
+
+
 def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Shapes and dtypes this kernel takes (see the module doc); False sends the call to Triton."""
-    if query.device.type != "cuda" or query.dtype not in (torch.bfloat16, torch.float16):
-        return False
-    if torch.cuda.get_device_capability(query.device) < (8, 9):  # e4m3 converts: sm_89+
+    if query.device.type != "cuda" or query.dtype not in (torch.bfloat16, torch.float16) or not usable(query.device):
         return False
     _, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
@@ -366,13 +375,6 @@ def _kernel(device_index: int, group: int, block_size: int, num_kv_heads: int, o
     with torch.cuda.device(device_index):
         return cuda_rtc.load_kernel(cubin, "fp8_paged_decode", _ARG_TYPES, threads=32,
                                     shared_bytes=STAGES * 2 * BLOCK_N * HEAD_DIM)
-
-
-def set_tile(block_n: int, stages: int, programs_per_sm: int) -> None:
-    """Experiments: another tile (keys per tile, tiles in flight, warps counted per SM for the split rule)."""
-    global BLOCK_N, STAGES, PROGRAMS_PER_SM
-    BLOCK_N, STAGES, PROGRAMS_PER_SM = block_n, stages, programs_per_sm
-    _kernel.cache_clear()
 
 
 def fp8_decode_partials(
@@ -396,6 +398,13 @@ def fp8_decode_partials(
 PROGRAMS_PER_SM = 6  # resident warps per SM (shared memory: STAGES x 16 KB each) when choosing the split count
 
 
+def decode_config():
+    """This kernel's tile as a `decode_attention.DecodeConfig` (the split rule reads its programs per SM)."""
+    from spmd_engine.kernels.decode_attention import DecodeConfig
+
+    return DecodeConfig(block_n=BLOCK_N, num_warps=1, num_stages=STAGES, programs_per_sm=PROGRAMS_PER_SM)
+
+
 def paged_decode_attention_fp8(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
     block_tables: torch.Tensor, scale: float, out: torch.Tensor | None = None, *,
@@ -412,8 +421,8 @@ def paged_decode_attention_fp8(
         out = torch.empty_like(query)
     if query.shape[0] == 0:
         return out
-    cfg = da.DecodeConfig(block_n=BLOCK_N, num_warps=1, num_stages=STAGES, programs_per_sm=PROGRAMS_PER_SM)
-    num_splits = da.split_count("paged_decode_attention_fp8", num_splits, query.shape[0], k_cache, block_tables, cfg)
+    num_splits = da.split_count("paged_decode_attention_fp8", num_splits, query.shape[0], k_cache, block_tables,
+                                decode_config())
     partial_out, partial_lse = da._split_partials(query, out, num_splits)
     fp8_decode_partials(query, k_cache, v_cache, seq_lens, block_tables, scale * da._LOG2_E, k_scale, v_scale,
                         out, partial_out, partial_lse, num_splits)

@@ -78,6 +78,10 @@ class EngineConfig:
     # Triton kernels with Programmatic Dependent Launch (kernels/pdl.py: the next kernel's launch overlaps the
     # previous one's tail; same bits); a silent no-op elsewhere
     cuda_pdl: bool = True
+    # CUDA sm_89+ with kv_cache_dtype=fp8: decode steps attend with a CUDA C++ kernel compiled at start-up by
+    # NVRTC (kernels/decode_attention_fp8_cuda.py: e4m3 bytes straight into the MMA fragments; head_dim 128, at
+    # most 8 query heads per KV head, block_size >= 4); other shapes, mixed steps, no NVRTC, or false: Triton
+    cuda_fp8_decode: bool = True
     # CUDA: rank 0 draws a decode step whose rows are all plain-temperature or all greedy by replaying a
     # CUDA graph of the sampler (executor/sampler_graphs.py: the same kernels and tokens, ~one launch of
     # host work instead of several); every other step samples eagerly; a silent no-op on CPU / enforce_eager
