@@ -130,7 +130,7 @@ class Attention(nn.Module):
         """An fp8 decode step through the CUDA kernel (kernels/decode_attention_fp8_cuda.py: 1.16x the
         engine's fp8 throughput over the Triton kernel, docs/BENCHMARKS.md session 16): norm, rotary and
         the K/V store in one Triton launch, then attention -> [T, Hq*D]. None, having done nothing, where
-        the shapes fit either kernel not (the caller then takes the Triton path)."""
+        the CUDA kernel or the fused store does not take these shapes (the caller takes the Triton path)."""
         global _fp8_cuda
         if _fp8_cuda is None:
             from spmd_engine.kernels import decode_attention_fp8_cuda as _fp8_cuda

@@ -141,3 +141,24 @@ def test_mixed_step_is_planned_once_and_launched_once_per_layer(monkeypatch, one
     layer_launches = (["_mixed_paged_attention_kernel"] if one_launch
                       else ["_decode_any_splits_kernel", "_paged_prefill_kernel"])
     assert launches == (layer_launches + ["_decode_split_kernel", "_paged_prefill_kernel"]) * 3
+
+
+def test_the_fp8_decode_switch_reaches_every_attention_layer():
+    """Engine key cuda_fp8_decode: `set_fp8_decode_cuda` sets every layer's flag (on by default); on CPU the
+    CUDA kernel never applies (it takes CUDA tensors only)."""
+    from spmd_engine.kernels.decode_attention_fp8_cuda import supports
+    from spmd_engine.kernels.kv_quant import FP8_DTYPE
+    from spmd_engine.models.layers.attention import set_fp8_decode_cuda
+    from spmd_engine.models.parallel import TensorParallel
+    from spmd_engine.models.registry import build_model
+
+    tiny = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 50,
+            "max_position_embeddings": 32}
+    layers = [m for m in build_model(tiny, TensorParallel.single()).modules() if isinstance(m, Attention)]
+    assert len(layers) == 2 and all(layer.fp8_decode_cuda for layer in layers)
+    model = layers[0]  # a layer is a module too: the switch walks whatever it is given
+    set_fp8_decode_cuda(model, False)
+    assert not layers[0].fp8_decode_cuda and layers[1].fp8_decode_cuda
+    cache = torch.zeros(4, 16, 8, 128, dtype=FP8_DTYPE)
+    assert not supports(torch.zeros(2, 16, 128, dtype=torch.bfloat16), cache, cache)
