@@ -28,7 +28,7 @@ from spmd_engine.kernels.decode_attention import (
     paged_decode_attention,
     split_count,
 )
-from spmd_engine.kernels import decode_attention_fp8_cuda as fp8_cuda
+import spmd_engine.kernels.decode_attention_fp8_cuda as fp8_cuda
 from spmd_engine.kernels.kv_quant import FP8_DTYPE
 from spmd_engine.kernels.kv_store import store_kv
 from spmd_engine.kernels.mixed_attention import plan_paged_attention

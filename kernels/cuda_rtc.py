@@ -13,7 +13,6 @@ import ctypes
 import glob
 import os
 import sys
-from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -103,28 +102,26 @@ def nvrtc_compile(source: str, name: str, arch: str, defines: dict[str, int | st
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
-@dataclass
 class CudaKernel:
     """One loaded kernel: `launch(grid, args)` on torch's current stream. `arg_types` are ctypes types
-    in the kernel's parameter order (pointers as c_void_p: pass tensors or ints)."""
+    in the kernel's parameter order (pointers as c_void_p: pass tensors or ints). The parameter block
+    is built once and refilled per launch (the driver copies it at launch: a graph keeps its values)."""
 
-    function: ctypes.c_void_p
-    module: ctypes.c_void_p
-    arg_types: tuple
-    threads: int
-    shared_bytes: int
-    registers: int
+    def __init__(self, function: ctypes.c_void_p, module: ctypes.c_void_p, arg_types: tuple, threads: int,
+                 shared_bytes: int, registers: int) -> None:
+        self.function, self.module = function, module
+        self.threads, self.shared_bytes, self.registers = threads, shared_bytes, registers
+        self._values = [kind() for kind in arg_types]
+        self._params = (ctypes.c_void_p * len(arg_types))(*[ctypes.addressof(v) for v in self._values])
 
     def launch(self, grid: tuple[int, int, int], args: list) -> None:
-        values = []
-        for kind, arg in zip(self.arg_types, args, strict=True):
-            if isinstance(arg, torch.Tensor):
-                arg = arg.data_ptr()
-            values.append(kind(arg))
-        params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
-        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        if len(args) != len(self._values):
+            raise TypeError(f"kernel takes {len(self._values)} arguments, got {len(args)}")
+        for value, arg in zip(self._values, args):
+            value.value = arg.data_ptr() if isinstance(arg, torch.Tensor) else arg
         _check_driver(_driver().cuLaunchKernel(
-            self.function, grid[0], grid[1], grid[2], self.threads, 1, 1, self.shared_bytes, stream, params, None,
+            self.function, grid[0], grid[1], grid[2], self.threads, 1, 1, self.shared_bytes,
+            ctypes.c_void_p(torch.cuda.current_stream().cuda_stream), self._params, None,
         ), "cuLaunchKernel")
 
 

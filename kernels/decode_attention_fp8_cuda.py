@@ -26,7 +26,7 @@ from functools import lru_cache
 
 import torch
 
-from spmd_engine.kernels import cuda_rtc
+import spmd_engine.kernels.cuda_rtc as cuda_rtc
 
 # keys per tile, and tiles in flight per warp (shared memory: STAGES x 16 KB). H200, one layer, us: 64 / 2 ties
 # 64 / 3 in the engine (37,611 / 38,063 against 37,655 / 37,674 tok/s); 32-key tiles are slower alone
@@ -412,7 +412,7 @@ def paged_decode_attention_fp8(
 ) -> torch.Tensor:
     """`decode_attention.paged_decode_attention` for the shapes `supports` accepts: same arguments and
     result; several splits are merged by the Triton merge kernel (a second launch)."""
-    from spmd_engine.kernels import decode_attention as da
+    import spmd_engine.kernels.decode_attention as da
 
     da.check_attention_inputs("paged_decode_attention_fp8", query, k_cache, v_cache)
     if not da.check_kv_scales("paged_decode_attention_fp8", k_cache, k_scale, v_scale):
