@@ -22,17 +22,21 @@ two >= 4, a bf16/fp16 model; everything else runs the Triton kernel.
 from __future__ import annotations
 
 import ctypes
+import logging
 from functools import lru_cache
 
 import torch
 
 import spmd_engine.kernels.cuda_rtc as cuda_rtc
+import spmd_engine.kernels.decode_attention as da
 
 # keys per tile, and tiles in flight per warp (shared memory: STAGES x 16 KB). H200, one layer, us: 64 / 2 ties
 # 64 / 3 in the engine (37,611 / 38,063 against 37,655 / 37,674 tok/s); 32-key tiles are slower alone
 BLOCK_N = 64
 STAGES = 2
+PROGRAMS_PER_SM = 6  # resident warps per SM (shared memory: STAGES x 16 KB each) when choosing the split count
 HEAD_DIM = 128
+log = logging.getLogger(__name__)
 
 _SOURCE = r"""
 typedef unsigned int u32;
@@ -348,9 +352,17 @@ def source() -> str:
 
 @lru_cache(maxsize=None)
 def usable(device: torch.device) -> bool:
-    """A CUDA device with the e4m3 converts (sm_89+) where NVRTC and the driver library load."""
-    return (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-            and cuda_rtc.available())
+    """A CUDA device with the e4m3 converts (sm_89+) where NVRTC compiles this kernel and the driver loads
+    it (tried once per device with one small shape; a failure logs why and leaves every call to Triton)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9) or not cuda_rtc.available():
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        _kernel(index, 1, 16, 1, True)
+    except RuntimeError as err:
+        log.warning("cuda_fp8_decode: the CUDA kernel did not build here, fp8 decode stays on Triton: %s", err)
+        return False
+    return True
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -395,14 +407,9 @@ def fp8_decode_partials(
     ])
 
 
-PROGRAMS_PER_SM = 6  # resident warps per SM (shared memory: STAGES x 16 KB each) when choosing the split count
-
-
-def decode_config():
+def decode_config() -> da.DecodeConfig:
     """This kernel's tile as a `decode_attention.DecodeConfig` (the split rule reads its programs per SM)."""
-    from spmd_engine.kernels.decode_attention import DecodeConfig
-
-    return DecodeConfig(block_n=BLOCK_N, num_warps=1, num_stages=STAGES, programs_per_sm=PROGRAMS_PER_SM)
+    return da.DecodeConfig(block_n=BLOCK_N, num_warps=1, num_stages=STAGES, programs_per_sm=PROGRAMS_PER_SM)
 
 
 def paged_decode_attention_fp8(
@@ -412,8 +419,6 @@ def paged_decode_attention_fp8(
 ) -> torch.Tensor:
     """`decode_attention.paged_decode_attention` for the shapes `supports` accepts: same arguments and
     result; several splits are merged by the Triton merge kernel (a second launch)."""
-    import spmd_engine.kernels.decode_attention as da
-
     da.check_attention_inputs("paged_decode_attention_fp8", query, k_cache, v_cache)
     if not da.check_kv_scales("paged_decode_attention_fp8", k_cache, k_scale, v_scale):
         raise ValueError("paged_decode_attention_fp8: the cache must be float8_e4m3fn")
