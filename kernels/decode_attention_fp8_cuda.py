@@ -5,8 +5,9 @@ fp8 tiles reach the MMA through byte loads from shared memory and register shuff
 bound by instruction issue at 71 % of the copy rate where the bf16 kernel reaches ~96 %
 (docs/BENCHMARKS.md, sessions 8-15). This one, H200, Qwen3-0.6B heads, one layer: 129 rows x 200..2000
 keys 83.6 us against Triton's 118.5, 256 x 2048 260 us (4.13 TB/s of K/V) against 300; the engine's fp8
-bench 37,650-38,060 output tok/s against 32,720-32,780 (docs/BENCHMARKS.md, session 16). Here each warp converts the bytes once into the MMA's own
-fragments: K and V tiles arrive by `cp.async` into swizzled shared memory, `ldmatrix` (V transposed)
+bench 37,160-38,060 output tok/s against 32,600-32,780 (docs/BENCHMARKS.md, session 16).
+
+Here each warp converts the bytes once into the MMA's own fragments: K and V tiles arrive by `cp.async` into swizzled shared memory, `ldmatrix` (V transposed)
 hands every lane exactly the four e4m3 bytes it needs, and one `cvt.rn.f16x2.e4m3x2` per pair gives
 the float16 operand. The dot products stay in float16 with float32 accumulation, as in the Triton
 fp8 path (kernels/paged_kv_tile.fp8_dot_in_f16); the dequantization scales are folded into the
@@ -346,10 +347,6 @@ _ARG_TYPES = (
 )
 
 
-def source() -> str:
-    return _SOURCE
-
-
 @lru_cache(maxsize=None)
 def usable(device: torch.device) -> bool:
     """A CUDA device with the e4m3 converts (sm_89+) where NVRTC compiles this kernel and the driver loads
@@ -374,7 +371,7 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
     group = num_q_heads // num_kv_heads
     return (head_dim == HEAD_DIM and cache_dim == HEAD_DIM and group <= 8 and block_size >= 4
             and block_size & (block_size - 1) == 0 and query.stride(2) == 1 and query.stride(1) % 4 == 0
-            and query.stride(0) % 4 == 0 and k_cache.stride()[1:] == (num_kv_heads * HEAD_DIM, HEAD_DIM, 1)
+            and query.stride(0) % 4 == 0 and query.data_ptr() % 8 == 0 and k_cache.stride()[1:] == (num_kv_heads * HEAD_DIM, HEAD_DIM, 1)
             and v_cache.stride() == k_cache.stride())
 
 
