@@ -1,0 +1,79 @@
+"""GPU benchmark: fp8 decode attention, the Triton kernel against the CUDA kernel of `cuda_fp8_decode`
+(kernels/decode_attention_fp8_cuda.py) and its tile variants, at Qwen3-0.6B heads over the context mixes
+the engine meets (prints a table; docs/BENCHMARKS.md, session 16).
+
+Run: `PYTHONPATH=. python kernels/bench_fp8_decode.py`. Each row: one layer's decode attention, median of
+`triton.testing.do_bench` (eager launches: the host's launch time shows in the small rows), µs and TB/s of
+fp8 K/V read. Tiles are (keys per tile / tiles in flight / warps per SM for the split rule).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton.testing
+
+import spmd_engine.kernels.decode_attention_fp8_cuda as fp8_cuda
+from spmd_engine.kernels.decode_attention import paged_decode_attention
+from spmd_engine.kernels.kv_quant import FP8_DTYPE
+
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 16
+TILES = ((64, 2, 6), (64, 3, 4), (32, 3, 9), (32, 4, 7), (64, 2, 12))
+
+
+def inputs(lengths: list[int]):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    blocks = [math.ceil(n / BLOCK_SIZE) for n in lengths]
+    total = sum(blocks)
+    shape = (total, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k = (torch.randn(shape, device="cuda", generator=gen) * 2).to(FP8_DTYPE)
+    v = (torch.randn(shape, device="cuda", generator=gen) * 2).to(FP8_DTYPE)
+    order = torch.randperm(total, device="cuda", generator=gen).to(torch.int32)
+    tables = torch.zeros(len(lengths), max(blocks), dtype=torch.int32, device="cuda")
+    used = 0
+    for b, n in enumerate(blocks):
+        tables[b, :n] = order[used:used + n]
+        used += n
+    query = torch.randn(len(lengths), NUM_Q_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    k_scale = torch.exp2(-(torch.arange(NUM_KV_HEADS, device="cuda", dtype=torch.float32) % 4)) / 8
+    v_scale = torch.exp2(-(torch.arange(NUM_KV_HEADS, device="cuda", dtype=torch.float32) % 3))
+    return query, k, v, seq_lens, tables, k_scale, v_scale
+
+
+def use_tile(block_n: int, stages: int, programs_per_sm: int) -> None:
+    fp8_cuda.BLOCK_N, fp8_cuda.STAGES, fp8_cuda.PROGRAMS_PER_SM = block_n, stages, programs_per_sm
+    fp8_cuda._kernel.cache_clear()
+
+
+def main() -> None:
+    if not torch.cuda.is_available() or not fp8_cuda.usable(torch.device("cuda")):
+        raise SystemExit("bench_fp8_decode.py needs a CUDA GPU of compute capability 8.9+ and NVRTC")
+    gen = torch.Generator().manual_seed(1)
+    uniform = lambda n, lo, hi: sorted((int(x) for x in torch.randint(lo, hi + 1, (n,), generator=gen)),  # noqa: E731
+                                       reverse=True)  # the engine starts the longest rows first
+    mixes = {"128 x 830": [830] * 128, "129 x 200..2000": uniform(129, 200, 2000),
+             "256 x 100..1500": uniform(256, 100, 1500), "256 x 2048": [2048] * 256,
+             "32 x 100..1500": uniform(32, 100, 1500), "1 x 1024": [1024]}
+    default = (fp8_cuda.BLOCK_N, fp8_cuda.STAGES, fp8_cuda.PROGRAMS_PER_SM)
+    print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}; "
+          f"CUDA tile default {default}")
+    for name, lengths in mixes.items():
+        query, k, v, seq_lens, tables, k_scale, v_scale = inputs(lengths)
+        kv_bytes = sum(lengths) * NUM_KV_HEADS * HEAD_DIM * 2
+
+        def timed(fn) -> str:
+            us = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
+            return f"{us:7.1f} us ({kv_bytes / us / 1e6:4.2f} TB/s)"
+
+        cells = [f"triton {timed(lambda: paged_decode_attention(query, k, v, seq_lens, tables, 0.088, k_scale=k_scale, v_scale=v_scale))}"]
+        for tile in TILES:
+            use_tile(*tile)
+            cells.append(f"cuda {'/'.join(map(str, tile))} " + timed(lambda: fp8_cuda.paged_decode_attention_fp8(
+                query, k, v, seq_lens, tables, 0.088, k_scale=k_scale, v_scale=v_scale)))
+        use_tile(*default)
+        print(f"{name:>16}: " + " | ".join(cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
