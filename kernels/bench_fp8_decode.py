@@ -8,37 +8,23 @@ fp8 K/V read. Tiles are (keys per tile / tiles in flight / warps per SM for the 
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import triton.testing
 
+import spmd_engine.kernels.bench_attention as bench_attention
 import spmd_engine.kernels.decode_attention_fp8_cuda as fp8_cuda
+from spmd_engine.kernels.bench_attention import HEAD_DIM, NUM_KV_HEADS
 from spmd_engine.kernels.decode_attention import paged_decode_attention
-from spmd_engine.kernels.kv_quant import FP8_DTYPE
 
-NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 16
+BLOCK_SIZE = 16
 TILES = ((64, 2, 6), (64, 3, 4), (32, 3, 9), (32, 4, 7), (64, 2, 12))
 
 
 def inputs(lengths: list[int]):
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    blocks = [math.ceil(n / BLOCK_SIZE) for n in lengths]
-    total = sum(blocks)
-    shape = (total, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    k = (torch.randn(shape, device="cuda", generator=gen) * 2).to(FP8_DTYPE)
-    v = (torch.randn(shape, device="cuda", generator=gen) * 2).to(FP8_DTYPE)
-    order = torch.randperm(total, device="cuda", generator=gen).to(torch.int32)
-    tables = torch.zeros(len(lengths), max(blocks), dtype=torch.int32, device="cuda")
-    used = 0
-    for b, n in enumerate(blocks):
-        tables[b, :n] = order[used:used + n]
-        used += n
-    query = torch.randn(len(lengths), NUM_Q_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
-    seq_lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
-    k_scale = torch.exp2(-(torch.arange(NUM_KV_HEADS, device="cuda", dtype=torch.float32) % 4)) / 8
-    v_scale = torch.exp2(-(torch.arange(NUM_KV_HEADS, device="cuda", dtype=torch.float32) % 3))
-    return query, k, v, seq_lens, tables, k_scale, v_scale
+    """bench_attention's paged inputs with its fp8 caches and per-KV-head scales, one query row a sequence."""
+    bench_attention.KV_FP8 = True
+    query, k, v, _, seq_lens, tables = bench_attention.paged_inputs(1, tuple(lengths), BLOCK_SIZE)
+    return query, k, v, seq_lens, tables, *bench_attention.kv_scales().values()
 
 
 def use_tile(block_n: int, stages: int, programs_per_sm: int) -> None:
