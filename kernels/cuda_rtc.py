@@ -20,6 +20,20 @@ import torch
 _NVRTC_SUCCESS = 0
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 _CU_FUNC_ATTRIBUTE_NUM_REGS = 4
+_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class _LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute: an id, padding to 8 bytes, a 64-byte value union."""
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig (cuLaunchKernelEx)."""
+    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
+                ("shared_bytes", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
 
 
 class CudaRtcUnavailable(RuntimeError):
@@ -113,21 +127,34 @@ class CudaKernel:
         self.threads, self.shared_bytes, self.registers = threads, shared_bytes, registers
         self._values = [kind() for kind in arg_types]
         self._params = (ctypes.c_void_p * len(arg_types))(*[ctypes.addressof(v) for v in self._values])
+        self._pdl_attribute = _LaunchAttribute(id=_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+        self._pdl_config = _LaunchConfig(block_x=threads, block_y=1, block_z=1, shared_bytes=shared_bytes,
+                                         attrs=ctypes.pointer(self._pdl_attribute), num_attrs=1)
 
-    def launch(self, grid: tuple[int, int, int], args: list) -> None:
+    def launch(self, grid: tuple[int, int, int], args: list, pdl: bool = False) -> None:
+        """`pdl`: launch with Programmatic Dependent Launch (sm_90+; kernels/pdl.py's rule: the kernel's
+        first statement waits for its predecessor), so its launch overlaps the predecessor's tail."""
         if len(args) != len(self._values):
             raise TypeError(f"kernel takes {len(self._values)} arguments, got {len(args)}")
         for value, arg in zip(self._values, args):
             value.value = arg.data_ptr() if isinstance(arg, torch.Tensor) else arg
-        _check_driver(_driver().cuLaunchKernel(
-            self.function, grid[0], grid[1], grid[2], self.threads, 1, 1, self.shared_bytes,
-            ctypes.c_void_p(torch.cuda.current_stream().cuda_stream), self._params, None,
-        ), "cuLaunchKernel")
+        stream = torch.cuda.current_stream().cuda_stream
+        if not pdl:
+            _check_driver(_driver().cuLaunchKernel(
+                self.function, grid[0], grid[1], grid[2], self.threads, 1, 1, self.shared_bytes,
+                ctypes.c_void_p(stream), self._params, None,
+            ), "cuLaunchKernel")
+            return
+        config = self._pdl_config
+        config.grid_x, config.grid_y, config.grid_z = grid
+        config.stream = stream
+        _check_driver(_driver().cuLaunchKernelEx(ctypes.byref(config), self.function, self._params, None),
+                      "cuLaunchKernelEx")
 
 
 def load_kernel(cubin: bytes, name: str, arg_types: tuple, threads: int, shared_bytes: int) -> CudaKernel:
     """Load `cubin` into the current context (torch's, on its current device) and fetch `name`."""
-    torch.cuda.init()
+    torch.ones(1, device=torch.cuda.current_device())  # the device's primary context exists and is current
     driver = _driver()
     module = ctypes.c_void_p()
     _check_driver(driver.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(cubin)), f"loading {name}")

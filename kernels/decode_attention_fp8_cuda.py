@@ -7,14 +7,14 @@ bound by instruction issue at 71 % of the copy rate where the bf16 kernel reache
 keys 83.6 us against Triton's 118.5, 256 x 2048 260 us (4.13 TB/s of K/V) against 300; the engine's fp8
 bench 37,160-38,060 output tok/s against 32,600-32,780 (docs/BENCHMARKS.md, session 16).
 
-Here each warp converts the bytes once into the MMA's own fragments: K and V tiles arrive by `cp.async` into swizzled shared memory, `ldmatrix` (V transposed)
-hands every lane exactly the four e4m3 bytes it needs, and one `cvt.rn.f16x2.e4m3x2` per pair gives
+Here each warp converts the bytes once into the MMA's own fragments: K and V tiles arrive by `cp.async`
+into swizzled shared memory, `ldmatrix` (V transposed) hands every lane exactly the four e4m3 bytes it needs, and one `cvt.rn.f16x2.e4m3x2` per pair gives
 the float16 operand. The dot products stay in float16 with float32 accumulation, as in the Triton
 fp8 path (kernels/paged_kv_tile.fp8_dot_in_f16); the dequantization scales are folded into the
 softmax scale (K) and the output (V).
 
-One warp is one (sequence, KV head, split) program, the Triton split kernel's grid and partials
-(`decode_attention._merge_splits` merges them), so a step may mix the two. Same math, not the same
+One warp is one (sequence, KV head, split) program, the Triton split kernel's grid, partials and merge
+(`decode_attention_cuda.run_split_kernel`), so a step may mix the two. Same math, not the same
 bits: the Triton kernel stays the reference the GPU tests compare this one against.
 
 Shapes it takes (`supports`): head_dim 128, at most 8 query heads per KV head, block_size a power of
@@ -23,12 +23,12 @@ two >= 4, a bf16/fp16 model; everything else runs the Triton kernel.
 from __future__ import annotations
 
 import ctypes
-import logging
 from functools import lru_cache
 
 import torch
 
 import spmd_engine.kernels.cuda_rtc as cuda_rtc
+import spmd_engine.kernels.decode_attention_cuda as cuda16
 import spmd_engine.kernels.decode_attention as da
 
 # keys per tile, and tiles in flight per warp (shared memory: STAGES x 16 KB). H200, one layer, us: 64 / 2 ties
@@ -37,52 +37,20 @@ BLOCK_N = 64
 STAGES = 2
 PROGRAMS_PER_SM = 6  # resident warps per SM (shared memory: STAGES x 16 KB each) when choosing the split count
 HEAD_DIM = 128
-log = logging.getLogger(__name__)
 
-_SOURCE = r"""
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef unsigned long long u64;
-
-#define D 128
+_SOURCE = cuda16.DEVICE_HELPERS + r"""
 #define K_TILE (BN * D)          /* bytes: BN key rows of 128 */
 #define STAGE_BYTES (2 * K_TILE) /* K tile, then V tile (BN / 2 pair rows of 256) */
-#define NEG_INF (-__int_as_float(0x7f800000))
 
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-  u32 a;
-  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-  return a;
-}
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
-}
-__device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_t(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
-}
-__device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
-  u32 r;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-__device__ __forceinline__ u32 pack_out2(float lo, float hi) {
+/* P and the MMA operands are float16 (exact for e4m3); the output is in the model's dtype */
+#define pack_p pack_f16x2
 #if OUT_BF16
-  u32 r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
+#define pack_out pack_bf16x2
 #else
-  return pack_f16x2(lo, hi);
+#define pack_out pack_f16x2
 #endif
-}
+#define mma16816 mma_f16
+
 __device__ __forceinline__ float in_to_f32(u16 bits) {
 #if OUT_BF16
   return __uint_as_float(((u32)bits) << 16);
@@ -91,17 +59,6 @@ __device__ __forceinline__ float in_to_f32(u16 bits) {
   asm("{ .reg .b16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }" : "=f"(f) : "h"(bits));
   return f;
 #endif
-}
-__device__ __forceinline__ float ex2(float x) {
-  float r;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-  return r;
-}
-__device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-               "{%0,%1,%2,%3};"
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 __device__ __forceinline__ float clamp_f16(float x) { return fminf(fmaxf(x, -65504.f), 65504.f); }
 
@@ -121,22 +78,19 @@ __device__ __forceinline__ void e4m3x4_f16x2(u32 x, u32& lo, u32& hi) {
       : "=r"(lo), "=r"(hi) : "r"(x));
 }
 
-__device__ __forceinline__ u32 transpose8x8(u32 x) {
-  u32 r;
-  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(r) : "r"(x));
-  return r;
-}
-
+""" + cuda16.SHARED_DECODE + r"""
 /* One warp = one (sequence, KV head, split). The MMAs run transposed (S^T = K q^T, O^T = V^T P^T): keys
    and dims fill the MMA's 16 rows, the GROUP query heads its 8 columns, so no MMA row is padding and the
    accumulator is [128 dims x 8 heads] (32 registers a lane). */
 extern "C" __global__ void __launch_bounds__(32, 1) fp8_paged_decode(
     const u16* __restrict__ query, const unsigned char* __restrict__ k_cache,
     const unsigned char* __restrict__ v_cache, u16* __restrict__ out, float* __restrict__ partial_out,
-    float* __restrict__ partial_lse, const int* __restrict__ seq_lens, const int* __restrict__ block_tables,
+    float* __restrict__ partial_lse, int* __restrict__ counters, const int* __restrict__ seq_lens,
+    const int* __restrict__ block_tables,
     const float* __restrict__ k_scale, const float* __restrict__ v_scale, float scale_log2,
     int stride_q_seq, int stride_q_head, int stride_o_seq, int stride_o_head,
     long long stride_block, int stride_table, int num_q_heads, int num_splits) {
+  pdl_prologue();
   extern __shared__ __align__(128) unsigned char smem[];
   const int lane = threadIdx.x, g = lane >> 2, t = lane & 3;
   const int split = blockIdx.x, kv_head = blockIdx.y, seq = blockIdx.z;
@@ -167,15 +121,9 @@ extern "C" __global__ void __launch_bounds__(32, 1) fp8_paged_decode(
   auto issue = [&](int tile, int stage) {
     const u32 ks = smem0 + stage * STAGE_BYTES, vs = ks + K_TILE;
     const bool full = tile + BN <= end;
-    const int first_entry = tile / BLOCK_SIZE;
-    const long long slot0 = (long long)(tile % BLOCK_SIZE) * STRIDE_POS;  /* 0 unless BLOCK_SIZE > 64 */
     constexpr int ENTRIES = BLOCK_SIZE >= BN ? 1 : BN / BLOCK_SIZE;
     long long off[ENTRIES];
-#pragma unroll
-    for (int b = 0; b < ENTRIES; ++b) {
-      const bool live = full || tile + b * BLOCK_SIZE < end;
-      off[b] = (live ? (long long)table[first_entry + b] * stride_block : 0ll) + slot0;
-    }
+    tile_blocks(off, table, tile, end, full, stride_block, STRIDE_POS);
 #pragma unroll
     for (int i = 0; i < BN / 4; ++i) {
       const int b = (4 * i) / BLOCK_SIZE, row_off = ((4 * i) % BLOCK_SIZE) * STRIDE_POS;
@@ -192,22 +140,8 @@ extern "C" __global__ void __launch_bounds__(32, 1) fp8_paged_decode(
   for (int j = 0; j < D / 16; ++j) { acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f; }
   float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;  /* heads 2t and 2t + 1 */
 
-  const int num_tiles = end > start ? (end - start + BN - 1) / BN : 0;
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < num_tiles) issue(start + s * BN, s);
-    cp_async_commit();
-  }
-  for (int it = 0; it < num_tiles; ++it) {
-    const int tile = start + it * BN;
-    {  /* the tile STAGES - 1 ahead goes into the stage freed at the end of the previous iteration */
-      const int ahead = it + STAGES - 1;
-      if (ahead < num_tiles) issue(start + ahead * BN, ahead % STAGES);
-      cp_async_commit();
-    }
-    cp_async_wait<STAGES - 1>();
-    __syncwarp();
-    const u32 ks = smem0 + (it % STAGES) * STAGE_BYTES, vs = ks + K_TILE;
+  pipeline_tiles(start, end, issue, [&](int tile, int stage) {
+    const u32 ks = smem0 + stage * STAGE_BYTES, vs = ks + K_TILE;
     const bool tail = tile + BN > end;
     if (tail && (end & 1)) {
       /* the pair of the last position holds an unwritten partner byte (maybe an e4m3 NaN: 0 * NaN is NaN
@@ -231,7 +165,7 @@ extern "C" __global__ void __launch_bounds__(32, 1) fp8_paged_decode(
       for (int c = 0; c < D / 32; ++c) {
         const int row = 16 * mt + 8 * ((lane >> 3) & 1) + (lane & 7), chunk = 2 * c + (lane >> 4);
         u32 r[4];
-        ldsm_x4(ks + row * 128 + ((chunk ^ (row & 7)) << 4), r[0], r[1], r[2], r[3]);
+        ldsm_x4(ks + row * 128 + ((chunk ^ (row & 7)) << 4), r);
         u32 a[4];
         e4m3x4_f16x2(r[0], a[0], a[2]);
         e4m3x4_f16x2(r[1], a[1], a[3]);
@@ -241,43 +175,8 @@ extern "C" __global__ void __launch_bounds__(32, 1) fp8_paged_decode(
         mma16816(sc[mt], a, qlo[2 * c + 1], qhi[2 * c + 1]);
       }
     }
-    /* online softmax per head column: sc[mt] = (key g, head 2t), (key g, 2t+1), (key g+8, 2t), (key g+8, 2t+1) */
-    float mx0 = NEG_INF, mx1 = NEG_INF;
-#pragma unroll
-    for (int mt = 0; mt < BN / 16; ++mt) {
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        float x = sc[mt][c] * sl2;
-        if (tail && tile + 16 * mt + g + 8 * (c >> 1) >= end) x = NEG_INF;
-        sc[mt][c] = x;
-      }
-      mx0 = fmaxf(mx0, fmaxf(sc[mt][0], sc[mt][2]));
-      mx1 = fmaxf(mx1, fmaxf(sc[mt][1], sc[mt][3]));
-    }
-#pragma unroll
-    for (int x = 4; x < 32; x <<= 1) {
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, x));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, x));
-    }
-    const float n0 = fmaxf(m0, mx0), a0 = ex2(m0 - n0);
-    const float n1 = fmaxf(m1, mx1), a1 = ex2(m1 - n1);
-    m0 = n0;
-    m1 = n1;
-    u32 pb[BN / 16][2];  /* B fragments of P^T for k-step mt: (head g, keys 2t, 2t+1) and (keys 8 + 2t, 9 + 2t) */
-    float sum0 = 0.f, sum1 = 0.f;
-#pragma unroll
-    for (int mt = 0; mt < BN / 16; ++mt) {
-      const float p0 = ex2(sc[mt][0] - n0), p1 = ex2(sc[mt][1] - n1);
-      const float p2 = ex2(sc[mt][2] - n0), p3 = ex2(sc[mt][3] - n1);
-      sum0 += p0 + p2;
-      sum1 += p1 + p3;
-      pb[mt][0] = transpose8x8(pack_f16x2(p0, p1));
-      pb[mt][1] = transpose8x8(pack_f16x2(p2, p3));
-    }
-    l0 = l0 * a0 + sum0;
-    l1 = l1 * a1 + sum1;
-#pragma unroll
-    for (int j = 0; j < D / 16; ++j) { acc[j][0] *= a0; acc[j][1] *= a1; acc[j][2] *= a0; acc[j][3] *= a1; }
+    u32 pb[BN / 16][2];
+    softmax_tile<BN / 16>(sc, pb, acc, m0, m1, l0, l1, sl2, tile, end, tail, g);
 
     /* O^T += V^T P^T: k-step s is keys 16 s .. + 15 (pair rows 8 s ..); matrix row r of ldmatrix.trans is
        pair row 8 s + r / 2 + 4 (r % 2), so lane t receives pair rows 8 s + t (keys 2t, 2t+1) and 8 s + 4 + t
@@ -289,7 +188,7 @@ extern "C" __global__ void __launch_bounds__(32, 1) fp8_paged_decode(
       for (int jj = 0; jj < D / 32; ++jj) {
         const int chunk = 4 * jj + (lane >> 3);
         u32 r[4];
-        ldsm_x4_t(vs + prow * 256 + ((chunk ^ (prow & 7)) << 4), r[0], r[1], r[2], r[3]);
+        ldsm_x4_t(vs + prow * 256 + ((chunk ^ (prow & 7)) << 4), r);
         u32 a[4];
         e4m3x4_f16x2(r[0], a[0], a[2]);  /* dims 32 jj + g */
         e4m3x4_f16x2(r[1], a[1], a[3]);  /* dims 32 jj + 8 + g */
@@ -299,48 +198,16 @@ extern "C" __global__ void __launch_bounds__(32, 1) fp8_paged_decode(
         mma16816(acc[2 * jj + 1], a, pb[s][0], pb[s][1]);
       }
     }
-    __syncwarp();  /* every lane is done with this stage before the next iteration refills it */
-  }
-  cp_async_wait<0>();
-
-#pragma unroll
-  for (int x = 4; x < 32; x <<= 1) {
-    l0 += __shfl_xor_sync(0xffffffffu, l0, x);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, x);
-  }
-  const float vsc = v_scale[kv_head];
-#pragma unroll
-  for (int col = 0; col < 2; ++col) {
-    const int row = 2 * t + col;  /* the query head of this column, within the group */
-    if (row >= GROUP) continue;
-    const int head = kv_head * GROUP + row;
-    const float l = col ? l1 : l0, m = col ? m1 : m0;
-    const bool empty = l == 0.f;
-    const float inv = empty ? 0.f : vsc / l;
-    if (num_splits == 1) {
-      u16* dst = out + (long long)seq * stride_o_seq + (long long)head * stride_o_head + g;
-#pragma unroll
-      for (int j = 0; j < D / 16; ++j) {
-        const u32 pair = pack_out2(acc[j][col] * inv, acc[j][2 + col] * inv);
-        dst[16 * j] = (u16)pair;
-        dst[16 * j + 8] = (u16)(pair >> 16);
-      }
-    } else {
-      const long long slot = ((long long)seq * num_q_heads + head) * num_splits + split;
-      float* dst = partial_out + slot * D + g;
-#pragma unroll
-      for (int j = 0; j < D / 16; ++j) {
-        dst[16 * j] = acc[j][col] * inv;
-        dst[16 * j + 8] = acc[j][2 + col] * inv;
-      }
-      if (g == 0) partial_lse[slot] = empty ? NEG_INF : m + __log2f(l);
-    }
-  }
+  });
+  write_output(acc, m0, m1, l0, l1, v_scale[kv_head], out, partial_out, partial_lse, counters,
+               seq_len > 0 ? (seq_len + split_len - 1) / split_len : 1, seq, kv_head, split, num_splits, num_q_heads,
+               stride_o_seq, stride_o_head, lane);
 }
 """
 
 _ARG_TYPES = (
     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+    ctypes.c_void_p,
     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float,
     ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
     ctypes.c_longlong, ctypes.c_int, ctypes.c_int, ctypes.c_int,
@@ -349,30 +216,14 @@ _ARG_TYPES = (
 
 @lru_cache(maxsize=None)
 def usable(device: torch.device) -> bool:
-    """A CUDA device with the e4m3 converts (sm_89+) where NVRTC compiles this kernel and the driver loads
-    it (tried once per device with one small shape; a failure logs why and leaves every call to Triton)."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9) or not cuda_rtc.available():
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    try:
-        _kernel(index, 1, 16, 1, True)
-    except RuntimeError as err:
-        log.warning("cuda_fp8_decode: the CUDA kernel did not build here, fp8 decode stays on Triton: %s", err)
-        return False
-    return True
+    """sm_89+ (the e4m3 converts) where NVRTC builds this kernel (`decode_attention_cuda.builds_on`)."""
+    return cuda16.builds_on(device, (8, 9), lambda index: _kernel(index, 1, 16, 1, True), "cuda_fp8_decode")
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Shapes and dtypes this kernel takes (see the module doc); False sends the call to Triton."""
-    if query.device.type != "cuda" or query.dtype not in (torch.bfloat16, torch.float16) or not usable(query.device):
-        return False
-    _, num_q_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, cache_dim = k_cache.shape
-    group = num_q_heads // num_kv_heads
-    return (head_dim == HEAD_DIM and cache_dim == HEAD_DIM and group <= 8 and block_size >= 4
-            and block_size & (block_size - 1) == 0 and query.stride(2) == 1 and query.stride(1) % 4 == 0
-            and query.stride(0) % 4 == 0 and query.data_ptr() % 8 == 0 and k_cache.stride()[1:] == (num_kv_heads * HEAD_DIM, HEAD_DIM, 1)
-            and v_cache.stride() == k_cache.stride())
+    return (query.device.type == "cuda" and query.dtype in (torch.bfloat16, torch.float16) and usable(query.device)
+            and cuda16.shapes_fit(query, k_cache, v_cache, min_block_size=4, query_align=4))
 
 
 @lru_cache(maxsize=None)
@@ -386,24 +237,6 @@ def _kernel(device_index: int, group: int, block_size: int, num_kv_heads: int, o
                                     shared_bytes=STAGES * 2 * BLOCK_N * HEAD_DIM)
 
 
-def fp8_decode_partials(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
-    block_tables: torch.Tensor, scale_log2: float, k_scale: torch.Tensor, v_scale: torch.Tensor,
-    out: torch.Tensor, partial_out: torch.Tensor, partial_lse: torch.Tensor, num_splits: int,
-) -> None:
-    """The split programs (grid splits x KV heads x sequences): with one split `out` is written, else the
-    float32 partials and log-sum-exps in `decode_attention._split_partials`'s layout."""
-    num_seqs, num_q_heads, _ = query.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    kernel = _kernel(query.device.index if query.device.index is not None else torch.cuda.current_device(),
-                     num_q_heads // num_kv_heads, block_size, num_kv_heads, query.dtype == torch.bfloat16)
-    kernel.launch((num_splits, num_kv_heads, num_seqs), [
-        query, k_cache, v_cache, out, partial_out, partial_lse, seq_lens, block_tables, k_scale, v_scale,
-        scale_log2, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), block_tables.stride(0), num_q_heads, num_splits,
-    ])
-
-
 def decode_config() -> da.DecodeConfig:
     """This kernel's tile as a `decode_attention.DecodeConfig` (the split rule reads its programs per SM)."""
     return da.DecodeConfig(block_n=BLOCK_N, num_warps=1, num_stages=STAGES, programs_per_sm=PROGRAMS_PER_SM)
@@ -414,20 +247,11 @@ def paged_decode_attention_fp8(
     block_tables: torch.Tensor, scale: float, out: torch.Tensor | None = None, *,
     k_scale: torch.Tensor, v_scale: torch.Tensor, num_splits: int | None = None,
 ) -> torch.Tensor:
-    """`decode_attention.paged_decode_attention` for the shapes `supports` accepts: same arguments and
-    result; several splits are merged by the Triton merge kernel (a second launch)."""
-    da.check_attention_inputs("paged_decode_attention_fp8", query, k_cache, v_cache)
+    """`decode_attention.paged_decode_attention` for the shapes `supports` accepts: same arguments and result."""
     if not da.check_kv_scales("paged_decode_attention_fp8", k_cache, k_scale, v_scale):
         raise ValueError("paged_decode_attention_fp8: the cache must be float8_e4m3fn")
-    if out is None:
-        out = torch.empty_like(query)
-    if query.shape[0] == 0:
-        return out
-    num_splits = da.split_count("paged_decode_attention_fp8", num_splits, query.shape[0], k_cache, block_tables,
-                                decode_config())
-    partial_out, partial_lse = da._split_partials(query, out, num_splits)
-    fp8_decode_partials(query, k_cache, v_cache, seq_lens, block_tables, scale * da._LOG2_E, k_scale, v_scale,
-                        out, partial_out, partial_lse, num_splits)
-    if num_splits > 1:
-        da._merge_splits(partial_out, partial_lse, out)
-    return out
+    num_q_heads, (block_size, num_kv_heads) = query.shape[1], k_cache.shape[1:3]
+    index = query.device.index if query.device.index is not None else torch.cuda.current_device()
+    kernel = _kernel(index, num_q_heads // num_kv_heads, block_size, num_kv_heads, query.dtype == torch.bfloat16)
+    return cuda16.run_split_kernel("paged_decode_attention_fp8", kernel, query, k_cache, v_cache, seq_lens,
+                                   block_tables, scale, out, num_splits, decode_config(), (k_scale, v_scale))

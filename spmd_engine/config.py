@@ -82,6 +82,10 @@ class EngineConfig:
     # NVRTC (kernels/decode_attention_fp8_cuda.py: e4m3 bytes straight into the MMA fragments; head_dim 128, at
     # most 8 query heads per KV head, block_size >= 4); other shapes, mixed steps, no NVRTC, or false: Triton
     cuda_fp8_decode: bool = True
+    # CUDA sm_80+ with a bf16/fp16 cache: decode steps attend with the CUDA C++ kernel of the same design
+    # (kernels/decode_attention_cuda.py; head_dim 128, at most 8 query heads per KV head, block_size >= 2;
+    # H200 nano bench 27,320-27,520 against 26,600 tok/s on Triton); other shapes, mixed steps, false: Triton
+    cuda_decode: bool = True
     # CUDA: rank 0 draws a decode step whose rows are all plain-temperature or all greedy by replaying a
     # CUDA graph of the sampler (executor/sampler_graphs.py: the same kernels and tokens, ~one launch of
     # host work instead of several); every other step samples eagerly; a silent no-op on CPU / enforce_eager

@@ -183,7 +183,7 @@ class Engine:
 
     def _load_model(self, backend: str) -> torch.nn.Module:
         """Build this rank's shard of the model in the engine's dtype and device, then load its weights."""
-        from spmd_engine.models.layers.attention import set_fp8_decode_cuda
+        from spmd_engine.models.layers.attention import set_decode_cuda, set_fp8_decode_cuda
         from spmd_engine.models.layers.linear import set_small_batch_gemv
         from spmd_engine.models.loader import load_dummy_weights, load_safetensors_weights
         from spmd_engine.models.parallel import TensorParallel
@@ -210,6 +210,7 @@ class Engine:
         model.eval()
         set_small_batch_gemv(model, cfg.small_batch_gemv)
         set_fp8_decode_cuda(model, cfg.cuda_fp8_decode)
+        set_decode_cuda(model, cfg.cuda_decode)
         log.info("model %s loaded (%s, %s, attention=%s, tp=%d) in %.1f s", cfg.model.name,
                  self.source.checkpoint_dir or "dummy weights", str(self.dtype).replace("torch.", ""),
                  backend, replica.tp_size, time.perf_counter() - started)
@@ -228,21 +229,27 @@ class Engine:
         self.faults = FaultInjector.from_config(cfg.fault, self.ranks.rank)
         self.faults.install(runner)  # test-only: a configured step fault wraps the runner's launch
         log.info("engine: block_size=%d max_model_len=%d max_num_seqs=%d max_num_batched_tokens=%d "
-                 "prefix_caching=%s cuda_graphs=%s cuda_pdl=%s sampler_graphs=%s cuda_fp8_decode=%s device=%s",
+                 "prefix_caching=%s cuda_graphs=%s cuda_pdl=%s sampler_graphs=%s cuda_fp8_decode=%s cuda_decode=%s "
+                 "device=%s",
                  cfg.block_size, self.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                  cfg.enable_prefix_caching, runner.graphs is not None, runner.pdl, runner.sampler_graphs is not None,
-                 self._fp8_decode_cuda_usable(runner), self.device)
+                 self._decode_cuda_usable(runner, fp8=True), self._decode_cuda_usable(runner, fp8=False), self.device)
         cap = self.kv_capacity.as_dict()
         log.info("KV cache: %d blocks, %d tokens, %.3f GiB per rank%s", cap["blocks"], cap["tokens"], cap["gib"],
                  f" ({runner.memory_budget.describe()})" if runner.memory_budget else "")
         return runner
 
-    def _fp8_decode_cuda_usable(self, runner) -> bool:
-        """Whether `cuda_fp8_decode` can act here (for the start-up log; each layer still checks its shapes)."""
-        if not (self.cfg.cuda_fp8_decode and self.device.type == "cuda" and runner.spec.dtype == torch.float8_e4m3fn):
+    def _decode_cuda_usable(self, runner, fp8: bool) -> bool:
+        """Whether `cuda_fp8_decode` (fp8: an fp8 cache) or `cuda_decode` (a bf16/fp16 cache) can act here, for
+        the start-up log; each layer still checks its shapes."""
+        fp8_cache = runner.spec.dtype == torch.float8_e4m3fn
+        enabled = self.cfg.cuda_fp8_decode if fp8 else self.cfg.cuda_decode
+        if not (enabled and self.device.type == "cuda" and fp8_cache == fp8):
             return False
-        from spmd_engine.kernels.decode_attention_fp8_cuda import usable
-
+        if fp8:
+            from spmd_engine.kernels.decode_attention_fp8_cuda import usable
+        else:
+            from spmd_engine.kernels.decode_attention_cuda import usable
         return usable(self.device)
 
     def _checked_shape(self) -> ModelShape:

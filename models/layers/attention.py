@@ -1,8 +1,9 @@
 """Attention: store this step's K/V into the paged cache, then attend over each sequence's cache.
 
 On the Triton path the store is fused with the q/k norm and rotary before it (`rotate_and_store`), and on
-a decode step all of it runs inside the decode attention launch (`rotate_store_attend`); an fp8 cache's
-decode steps attend with a CUDA kernel instead where it applies (`fp8_decode_cuda`).
+a decode step all of it runs inside the decode attention launch (`rotate_store_attend`); decode steps
+attend with a CUDA kernel instead where one applies (`fp8_decode_cuda` for an fp8 cache, `decode_cuda`
+for a bf16/fp16 one).
 
 The layer owns no weights; it is the one place that knows the attention backends. Heads here are
 this rank's heads. The engine binds `k_cache`/`v_cache` ([num_blocks, block_size, num_kv_heads,
@@ -24,6 +25,7 @@ ATTENTION_BACKENDS = ("torch", "triton")
 _mixed_attention = None  # spmd_engine.kernels.mixed_attention once the Triton path first runs
 _rotary_decode = None  # spmd_engine.kernels.decode_rotary_attention, the same way
 _fp8_cuda = None  # spmd_engine.kernels.decode_attention_fp8_cuda, the same way
+_cuda16 = None  # spmd_engine.kernels.decode_attention_cuda, the same way
 
 
 def set_fp8_decode_cuda(model: nn.Module, enabled: bool) -> None:
@@ -33,10 +35,18 @@ def set_fp8_decode_cuda(model: nn.Module, enabled: bool) -> None:
             module.fp8_decode_cuda = enabled
 
 
+def set_decode_cuda(model: nn.Module, enabled: bool) -> None:
+    """Engine key `cuda_decode`: bf16/fp16 caches' decode steps attend with the CUDA kernel where it applies."""
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.decode_cuda = enabled
+
+
 class Attention(nn.Module):
     """q [T, Hq*D], k/v [T, Hkv*D] -> [T, Hq*D] (causal, GQA, paged KV cache)."""
 
     fp8_decode_cuda: bool = True  # `set_fp8_decode_cuda` (engine key cuda_fp8_decode)
+    decode_cuda: bool = True  # `set_decode_cuda` (engine key cuda_decode)
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, backend: str) -> None:
         super().__init__()
@@ -110,8 +120,9 @@ class Attention(nn.Module):
             return None
         if _rotary_decode is None:
             from spmd_engine.kernels import decode_rotary_attention as _rotary_decode
-        if self.fp8_decode_cuda and self.k_cache.dtype == torch.float8_e4m3fn:
-            out = self._fp8_cuda_decode(q, k, v, cos_sin, attn, qk_norm)
+        fp8 = self.k_cache.dtype == torch.float8_e4m3fn
+        if self.fp8_decode_cuda if fp8 else self.decode_cuda:
+            out = self._cuda_decode(q, k, v, cos_sin, attn, qk_norm)
             if out is not None:
                 return out
         if self.k_cache.dtype not in _rotary_decode.ROTARY_IN_DECODE_CACHES:
@@ -126,26 +137,32 @@ class Attention(nn.Module):
             self.scale, q_weight=q_weight, k_weight=k_weight, eps=eps, k_scale=self.k_scale, v_scale=self.v_scale)
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
-    def _fp8_cuda_decode(self, q, k, v, cos_sin, attn: AttentionMetadata, qk_norm) -> torch.Tensor | None:
-        """An fp8 decode step through the CUDA kernel (kernels/decode_attention_fp8_cuda.py: 1.16x the
-        engine's fp8 throughput over the Triton kernel, docs/BENCHMARKS.md session 16): norm, rotary and
-        the K/V store in one Triton launch, then attention -> [T, Hq*D]. None, having done nothing, where
-        the CUDA kernel or the fused store does not take these shapes (the caller takes the Triton path)."""
-        global _fp8_cuda
-        if _fp8_cuda is None:
-            from spmd_engine.kernels import decode_attention_fp8_cuda as _fp8_cuda
+    def _cuda_decode(self, q, k, v, cos_sin, attn: AttentionMetadata, qk_norm) -> torch.Tensor | None:
+        """A decode step through a CUDA kernel (fp8 cache: kernels/decode_attention_fp8_cuda.py, 1.16x the
+        engine's fp8 throughput over the Triton kernel; bf16/fp16 cache: kernels/decode_attention_cuda.py;
+        docs/BENCHMARKS.md sessions 16-17): norm, rotary and the K/V store in one Triton launch, then
+        attention -> [T, Hq*D]. None, having done nothing, where the kernel or the fused store does not take
+        these shapes (the caller takes the Triton path)."""
+        global _fp8_cuda, _cuda16
+        if self.k_cache.dtype == torch.float8_e4m3fn:
+            if _fp8_cuda is None:
+                from spmd_engine.kernels import decode_attention_fp8_cuda as _fp8_cuda
+            kernel, attend = _fp8_cuda, _fp8_cuda.paged_decode_attention_fp8
+            scales = {"k_scale": self.k_scale, "v_scale": self.v_scale}
+        else:
+            if _cuda16 is None:
+                from spmd_engine.kernels import decode_attention_cuda as _cuda16
+            kernel, attend, scales = _cuda16, _cuda16.paged_decode_attention_cuda, {}
         from spmd_engine.kernels.qk_norm_rope_store import can_fuse
 
         num_tokens = q.shape[0]
         heads = q.view(num_tokens, self.num_heads, self.head_dim)
-        if not (_fp8_cuda.supports(heads, self.k_cache, self.v_cache)
+        if not (kernel.supports(heads, self.k_cache, self.v_cache)
                 and can_fuse(q, k, v.view(num_tokens, self.num_kv_heads, self.head_dim), *cos_sin,
                              qk_norm is not None)):
             return None
         rotated = self.rotate_and_store(q, k, v, cos_sin, attn, qk_norm).view(heads.shape)
-        out = _fp8_cuda.paged_decode_attention_fp8(rotated, self.k_cache, self.v_cache, attn.seq_lens,
-                                                   attn.block_tables, self.scale, k_scale=self.k_scale,
-                                                   v_scale=self.v_scale)
+        out = attend(rotated, self.k_cache, self.v_cache, attn.seq_lens, attn.block_tables, self.scale, **scales)
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, attn: AttentionMetadata,

@@ -162,3 +162,23 @@ def test_the_fp8_decode_switch_reaches_every_attention_layer():
     assert not layers[0].fp8_decode_cuda and layers[1].fp8_decode_cuda
     cache = torch.zeros(4, 16, 8, 128, dtype=FP8_DTYPE)
     assert not supports(torch.zeros(2, 16, 128, dtype=torch.bfloat16), cache, cache)
+
+
+def test_the_16_bit_decode_switch_reaches_every_attention_layer():
+    """Engine key cuda_decode: `set_decode_cuda` sets every layer's flag (on by default); on CPU the CUDA kernel
+    never applies (it takes CUDA tensors only), and it refuses an fp8 cache (that one has its own kernel)."""
+    from spmd_engine.kernels.decode_attention_cuda import supports
+    from spmd_engine.kernels.kv_quant import FP8_DTYPE
+    from spmd_engine.models.layers.attention import set_decode_cuda
+    from spmd_engine.models.parallel import TensorParallel
+    from spmd_engine.models.registry import build_model
+
+    tiny = {"architectures": ["LlamaForCausalLM"], "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 50, "max_position_embeddings": 32}
+    layers = [m for m in build_model(tiny, TensorParallel.single()).modules() if isinstance(m, Attention)]
+    assert len(layers) == 3 and all(layer.decode_cuda for layer in layers)
+    set_decode_cuda(layers[1], False)
+    assert [layer.decode_cuda for layer in layers] == [True, False, True]
+    query = torch.zeros(2, 16, 128, dtype=torch.bfloat16)
+    assert not supports(query, torch.zeros(4, 16, 8, 128, dtype=torch.bfloat16), torch.zeros(4, 16, 8, 128, dtype=torch.bfloat16))
+    assert not supports(query, torch.zeros(4, 16, 8, 128, dtype=FP8_DTYPE), torch.zeros(4, 16, 8, 128, dtype=FP8_DTYPE))

@@ -1,0 +1,135 @@
+"""The CUDA decode kernel for bf16/fp16 caches (kernels/decode_attention_cuda.py) against the torch
+reference and the Triton kernel: GQA groups, block sizes, lengths around tile and block edges, split
+counts, NaN bytes past every end and in unowned blocks, a float16 model, and CUDA-graph replay."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from spmd_engine.kernels.decode_attention import paged_decode_attention
+from spmd_engine.kernels.reference import paged_attention_reference
+from tests.gpu.engine_setup import GPU
+
+pytestmark = GPU
+D = 128
+LENGTHS = [1, 2, 3, 63, 64, 65, 127, 128, 129, 777, 1500, 2049]
+
+
+def _cuda_decode():
+    from spmd_engine.kernels import cuda_rtc, decode_attention_cuda
+
+    try:
+        cuda_rtc._nvrtc()
+    except cuda_rtc.CudaRtcUnavailable as err:
+        pytest.skip(str(err))
+    return decode_attention_cuda
+
+
+def _inputs(lengths, hq, hkv, block_size, dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    blocks = [math.ceil(n / block_size) for n in lengths]
+    total = sum(blocks) + 2
+    k = (torch.randn(total, block_size, hkv, D, device="cuda", generator=gen) * 2).to(dtype)
+    v = (torch.randn(total, block_size, hkv, D, device="cuda", generator=gen) * 2).to(dtype)
+    order = torch.randperm(total, device="cuda", generator=gen).to(torch.int32)
+    tables = torch.zeros(len(lengths), max(blocks) + 1, dtype=torch.int32, device="cuda")
+    used = 0
+    for b, n in enumerate(lengths):
+        tables[b, :blocks[b]] = order[used:used + blocks[b]]
+        used += blocks[b]
+        for pos in range(n, blocks[b] * block_size):  # NaN past the end inside the last block
+            blk, slot = int(tables[b, pos // block_size]), pos % block_size
+            k[blk, slot] = float("nan")
+            v[blk, slot] = float("nan")
+    for blk in order[used:].tolist():  # and in the blocks nobody owns
+        k[blk] = float("nan")
+        v[blk] = float("nan")
+    query = torch.randn(len(lengths), hq, D, device="cuda", dtype=dtype, generator=gen)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    return query, k, v, seq_lens, tables
+
+
+def _rel(out, ref):
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+@pytest.mark.parametrize("hq,hkv", [(16, 8), (32, 8), (8, 8), (14, 2)])
+@pytest.mark.parametrize("block_size", [2, 16, 32, 128])
+def test_cuda_decode_matches_the_reference(hq, hkv, block_size):
+    cuda_decode = _cuda_decode()
+    query, k, v, seq_lens, tables = _inputs(LENGTHS, hq, hkv, block_size)
+    assert cuda_decode.supports(query, k, v)
+    cu = torch.arange(len(LENGTHS) + 1, dtype=torch.int32, device="cuda")
+    ref = paged_attention_reference(query, k, v, cu, seq_lens, tables, 0.088)
+    triton_err = _rel(paged_decode_attention(query, k, v, seq_lens, tables, 0.088), ref)
+    for splits in (None, 1, 3, 8):
+        out = cuda_decode.paged_decode_attention_cuda(query, k, v, seq_lens, tables, 0.088, num_splits=splits)
+        assert torch.isfinite(out).all(), splits
+        # bf16 dots and P with float32 sums, as the Triton kernel: the same order of error
+        assert _rel(out, ref) < max(2 * triton_err, 4e-3), (splits, _rel(out, ref), triton_err)
+
+
+def test_cuda_decode_float16_model_and_graph_replay():
+    cuda_decode = _cuda_decode()
+    query, k, v, seq_lens, tables = _inputs([5, 300, 1025, 64], 16, 8, 16, dtype=torch.float16)
+    cu = torch.arange(5, dtype=torch.int32, device="cuda")
+    ref = paged_attention_reference(query, k, v, cu, seq_lens, tables, 0.088)
+    eager = cuda_decode.paged_decode_attention_cuda(query, k, v, seq_lens, tables, 0.088)
+    assert _rel(eager, ref) < 2e-3
+    out = torch.empty_like(query)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cuda_decode.paged_decode_attention_cuda(query, k, v, seq_lens, tables, 0.088, out)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
+def test_cuda_decode_refuses_what_it_does_not_take():
+    cuda_decode = _cuda_decode()
+    query, k, v, *_ = _inputs([10], 16, 8, 16)
+    assert not cuda_decode.supports(query[..., :64], k[..., :64], v[..., :64])  # head_dim 64
+    assert not cuda_decode.supports(query.float(), k, v)  # a float32 model
+    assert not cuda_decode.supports(query.half(), k, v)  # the cache in another dtype
+    q16 = torch.randn(1, 32, D, device="cuda", dtype=torch.bfloat16)
+    assert not cuda_decode.supports(q16, k[:, :, :2].contiguous(), v[:, :, :2].contiguous())  # 16 query heads a KV head
+
+
+def test_cuda_decode_merges_alike_in_the_kernel_and_by_a_second_launch(monkeypatch):
+    """The last split to finish merges (DECODE_FUSED_MERGE) or the Triton merge kernel does: the same result
+    within rounding, and the arrival counters are back at zero after every launch (graph replays reuse them)."""
+    from spmd_engine.kernels import decode_attention as da
+
+    cuda_decode = _cuda_decode()
+    query, k, v, seq_lens, tables = _inputs(LENGTHS, 16, 8, 16)
+    fused = cuda_decode.paged_decode_attention_cuda(query, k, v, seq_lens, tables, 0.088, num_splits=5)
+    torch.cuda.synchronize()
+    assert int(da.merge_counters(query.device).abs().sum()) == 0
+    monkeypatch.setattr(da, "DECODE_FUSED_MERGE", False)
+    second = cuda_decode.paged_decode_attention_cuda(query, k, v, seq_lens, tables, 0.088, num_splits=5)
+    assert _rel(fused, second) < 1e-2 and (fused.float() - second.float()).abs().max().item() < 2e-2
+
+
+def test_cuda_decode_under_pdl_waits_for_its_producer():
+    """Launched with PDL (kernels/pdl.py) right after the kernel that writes its query, inside a captured
+    graph as the engine's small decode graphs run it: the same output as without PDL."""
+    from spmd_engine.kernels.pdl import pdl_launches, pdl_supported
+
+    cuda_decode = _cuda_decode()
+    if not pdl_supported(torch.device("cuda")):
+        pytest.skip("PDL needs sm_90+ and a Triton with grid-dependency control")
+    query, k, v, seq_lens, tables = _inputs([700, 3, 1500, 64], 16, 8, 16)
+    source = torch.randn_like(query)
+    expected = cuda_decode.paged_decode_attention_cuda(source * 3, k, v, seq_lens, tables, 0.088)
+    out = torch.empty_like(query)
+    with pdl_launches(True):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            torch.mul(source, 3, out=query)  # the producer: the kernel must not read q before it is done
+            cuda_decode.paged_decode_attention_cuda(query, k, v, seq_lens, tables, 0.088, out)
+    query.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected)
