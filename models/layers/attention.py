@@ -30,16 +30,18 @@ _cuda16 = None  # spmd_engine.kernels.decode_attention_cuda, the same way
 
 def set_fp8_decode_cuda(model: nn.Module, enabled: bool) -> None:
     """Engine key `cuda_fp8_decode`: fp8 decode steps attend with the CUDA kernel where it applies."""
-    for module in model.modules():
-        if isinstance(module, Attention):
-            module.fp8_decode_cuda = enabled
+    _set_on_attention_layers(model, "fp8_decode_cuda", enabled)
 
 
 def set_decode_cuda(model: nn.Module, enabled: bool) -> None:
     """Engine key `cuda_decode`: bf16/fp16 caches' decode steps attend with the CUDA kernel where it applies."""
+    _set_on_attention_layers(model, "decode_cuda", enabled)
+
+
+def _set_on_attention_layers(model: nn.Module, flag: str, enabled: bool) -> None:
     for module in model.modules():
         if isinstance(module, Attention):
-            module.decode_cuda = enabled
+            setattr(module, flag, enabled)
 
 
 class Attention(nn.Module):
@@ -122,7 +124,7 @@ class Attention(nn.Module):
             from spmd_engine.kernels import decode_rotary_attention as _rotary_decode
         fp8 = self.k_cache.dtype == torch.float8_e4m3fn
         if self.fp8_decode_cuda if fp8 else self.decode_cuda:
-            out = self._cuda_decode(q, k, v, cos_sin, attn, qk_norm)
+            out = self._cuda_decode(q, k, v, cos_sin, attn, qk_norm, fp8)
             if out is not None:
                 return out
         if self.k_cache.dtype not in _rotary_decode.ROTARY_IN_DECODE_CACHES:
@@ -137,14 +139,14 @@ class Attention(nn.Module):
             self.scale, q_weight=q_weight, k_weight=k_weight, eps=eps, k_scale=self.k_scale, v_scale=self.v_scale)
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
-    def _cuda_decode(self, q, k, v, cos_sin, attn: AttentionMetadata, qk_norm) -> torch.Tensor | None:
+    def _cuda_decode(self, q, k, v, cos_sin, attn: AttentionMetadata, qk_norm, fp8: bool) -> torch.Tensor | None:
         """A decode step through a CUDA kernel (fp8 cache: kernels/decode_attention_fp8_cuda.py, 1.16x the
         engine's fp8 throughput over the Triton kernel; bf16/fp16 cache: kernels/decode_attention_cuda.py;
         docs/BENCHMARKS.md sessions 16-17): norm, rotary and the K/V store in one Triton launch, then
         attention -> [T, Hq*D]. None, having done nothing, where the kernel or the fused store does not take
         these shapes (the caller takes the Triton path)."""
         global _fp8_cuda, _cuda16
-        if self.k_cache.dtype == torch.float8_e4m3fn:
+        if fp8:
             if _fp8_cuda is None:
                 from spmd_engine.kernels import decode_attention_fp8_cuda as _fp8_cuda
             kernel, attend = _fp8_cuda, _fp8_cuda.paged_decode_attention_fp8
