@@ -7,6 +7,7 @@ and contents in an LRU free queue until they are handed out again.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Sequence as Seq
 
@@ -89,17 +90,8 @@ class BlockManager:
             raise RuntimeError(f"seq {seq.seq_id} already holds blocks; allocate_prefix is for admission")
         num_hit_blocks, parent = 0, None
         if self.enable_prefix_caching and use_cache:  # not: every position must be computed (prompt logprobs)
-            max_blocks = (seq.num_tokens - 1) // self.block_size
-            for i in range(max_blocks):
-                tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
-                block_hash = hash_block(parent, tokens)
-                block_id = self._hash_to_block.get(block_hash)
-                if block_id is None:
-                    break
+            for block_id, block_hash in self._cached_prefix(seq):
                 block = self.blocks[block_id]
-                # collision guard: same tokens at the same place in the chain, not just the same hash
-                if block.parent_hash != parent or block.token_ids != tuple(tokens):
-                    break
                 if block.ref_count == 0:
                     del self._free[block_id]
                 block.ref_count += 1
@@ -112,6 +104,28 @@ class BlockManager:
         self.prefix_cache_queries += seq.num_tokens
         self.prefix_cache_hits += num_cached
         return num_cached
+
+    def num_tokens_to_compute(self, seq: Sequence) -> int:
+        """What admitting `seq` now would leave to compute: its tokens past the cached prefix (no change)."""
+        hits = sum(1 for _ in self._cached_prefix(seq)) if self.enable_prefix_caching else 0
+        return seq.num_tokens - hits * self.block_size
+
+    def _cached_prefix(self, seq: Sequence) -> Iterator[tuple[int, int]]:
+        """(block id, hash) of each cached block of `seq`'s prefix, in order; never the block holding
+        its last token (the forward must compute at least one token, for its logits)."""
+        parent = None
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
+            block_hash = hash_block(parent, tokens)
+            block_id = self._hash_to_block.get(block_hash)
+            if block_id is None:
+                return
+            block = self.blocks[block_id]
+            # collision guard: same tokens at the same place in the chain, not just the same hash
+            if block.parent_hash != parent or block.token_ids != tuple(tokens):
+                return
+            yield block_id, block_hash
+            parent = block_hash
 
     def undo_prefix(self, seq: Sequence) -> None:
         """Take back an admission that could not get blocks for its first chunk (and its counters)."""

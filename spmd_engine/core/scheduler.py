@@ -127,6 +127,18 @@ class Scheduler:
         return len(self.waiting)
 
     @property
+    def num_waiting_tokens(self) -> int:
+        """Tokens the waiting sequences would compute if admitted now."""
+        return sum(self.tokens_to_compute(seq) for seq in self.waiting)
+
+    def tokens_to_compute(self, seq: Sequence) -> int:
+        """Tokens admitting `seq` now would leave to compute: past its cached prefix, as `_admit_waiting`
+        would find it (a request with prompt logprobs computes every position)."""
+        if seq.params.prompt_logprobs is not None:
+            return seq.num_tokens
+        return self.block_manager.num_tokens_to_compute(seq)
+
+    @property
     def num_running(self) -> int:
         return len(self.running)
 

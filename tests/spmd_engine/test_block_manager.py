@@ -194,3 +194,19 @@ def test_prefix_caching_disabled_never_hits():
     b = admit(bm, 1, list(range(9)))
     assert b.num_computed_tokens == 0 and b.block_table == []
     assert bm.prefix_cache_hit_rate == 0.0
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_tokens_to_compute_is_what_admission_would_leave_and_changes_nothing(caching):
+    """The engine counts waiting work with it before admitting more requests (engine._refill)."""
+    bm = BlockManager(8, BS, enable_prefix_caching=caching)
+    computed(bm, admit(bm, 0, list(range(10))))
+    for tokens in (list(range(8)) + [50, 51, 52], list(range(8)), list(range(5)) + [60], [99] * 3):
+        seq = Sequence(1, tokens)
+        free, queries = bm.num_free_blocks, bm.prefix_cache_queries
+        left = bm.num_tokens_to_compute(seq)
+        assert (bm.num_free_blocks, bm.prefix_cache_queries, seq.block_table) == (free, queries, [])
+        bm.allocate_prefix(seq)
+        assert left == seq.num_tokens - seq.num_computed_tokens
+        bm.free(seq)
+    assert bm.num_tokens_to_compute(Sequence(2, list(range(9)))) == (1 if caching else 9)

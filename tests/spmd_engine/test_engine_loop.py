@@ -54,6 +54,8 @@ class FakeRunner:
         self.scheduler = None  # the generation's, set once it exists
         self.checked_steps = 0
         self.idle_preemptions = 0
+        self.schedules: list[tuple[tuple[int, ...], tuple[int, ...]]] = []  # (seq ids, new tokens) per schedule
+        self.fed_at_schedule: list[int] = []  # requests admitted before each schedule
 
     def broadcast(self, plan: StepPlan) -> StepPlan:
         """What broadcast_object does for the other ranks: each gets its own unpickled copy."""
@@ -103,8 +105,10 @@ def run_loop(prompts: list[list[int]], max_tokens: list[int], *, block_size: int
     schedule = gen.scheduler.schedule
 
     def counting_schedule():  # schedules that run nothing yet preempt: the case the loop once lost
+        runner.fed_at_schedule.append(gen.fed)
         out = schedule()
         runner.idle_preemptions += int(out.is_empty and bool(out.preempted))
+        runner.schedules.append((tuple(s.seq_id for s in out.seqs), tuple(out.num_new_tokens)))
         return out
 
     gen.scheduler.schedule = counting_schedule
@@ -194,3 +198,34 @@ def test_requests_are_pulled_only_as_the_batch_has_room():
     assert pulled == list(range(30)) and len(pulled_at_finish) == 30
     assert pulled_at_finish[0] <= 4, pulled_at_finish  # the old loop took all 30 before the first step
     assert all(n <= i + 4 for i, n in enumerate(pulled_at_finish)), pulled_at_finish  # never more than 4 ahead
+
+
+
+@pytest.mark.parametrize("num_blocks", [200, 24])
+def test_admission_stops_at_a_step_of_waiting_tokens_and_schedules_as_before(num_blocks, monkeypatch):
+    """Requests are admitted only until the waiting queue holds a step's worth of tokens to compute
+    (past cached prefixes): admitting more would change no schedule, and it put ~40 ms of host work
+    before the bench's first launch. Every schedule equals the one of the admit-everything loop
+    (every request counted as 0 tokens), with prefix hits and, in the small pool, preemptions."""
+    from spmd_engine.core.scheduler import Scheduler
+
+    rng = random.Random(2)
+    base = [rng.randrange(2, VOCAB) for _ in range(24)]
+    prompts = [base[: rng.randint(8, 24)] + [rng.randrange(2, VOCAB) for _ in range(rng.randint(1, 6))]
+               if rng.random() < 0.5 else [rng.randrange(2, VOCAB) for _ in range(rng.randint(1, 30))]
+               for _ in range(60)]
+    max_tokens = [rng.randint(1, 12) for _ in prompts]
+
+    def run():
+        return run_loop(prompts, max_tokens, block_size=4, num_blocks=num_blocks, max_model_len=48,
+                        max_num_batched_tokens=32, max_num_seqs=40, prefix_caching=True, async_scheduling=True,
+                        ignore_eos=True)
+
+    throttled, gen = run()
+    with monkeypatch.context() as patch:
+        patch.setattr(Scheduler, "tokens_to_compute", lambda self, seq: 0)
+        everything, _ = run()
+    assert throttled.schedules == everything.schedules and len(throttled.schedules) > 20
+    assert everything.fed_at_schedule[0] == 40 and throttled.fed_at_schedule[0] < 10, throttled.fed_at_schedule
+    assert gen.scheduler.block_manager.prefix_cache_hits > 0
+    assert (gen.scheduler.num_preemptions > 0) == (num_blocks < 100)
