@@ -101,12 +101,18 @@ __device__ __forceinline__ float4 ld_cg4(const float* p) {
   asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
   return v;
 }
-/* kernels/pdl.py's rule, a kernel's first statement: wait for the predecessor kernel (a no-op unless launched
-   with PDL), then let the successor launch */
-__device__ __forceinline__ void pdl_prologue() {
+/* PDL in two halves (kernels/pdl.py: the decode kernels' exception to the first-statement rule). The first
+   statement lets the successor launch; `pdl_wait` (a no-op unless launched with PDL) waits for the predecessor
+   to complete and its memory to be visible, and comes before reading anything the predecessor writes (this
+   step's q and new K/V row) and before any write. */
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
 __device__ __forceinline__ u32 transpose8x8(u32 x) {
@@ -118,15 +124,24 @@ __device__ __forceinline__ u32 transpose8x8(u32 x) {
 
 SHARED_DECODE = r"""
 /* The split's tiles through the cp.async pipeline, STAGES - 1 tiles in flight ahead of the one attended:
-   issue(tile, stage) starts a tile's copies into `stage`, attend(tile, stage) consumes it once landed. */
-template <typename Issue, typename Attend>
-__device__ __forceinline__ void pipeline_tiles(int start, int end, Issue&& issue, Attend&& attend) {
+   issue(tile, stage) starts a tile's copies into `stage`, attend(tile, stage) consumes it once landed.
+   ready() (pdl_wait, then the q fragments) runs once, before the first attend and before issuing a tile that
+   reaches position `fresh` (this step's new key, which the predecessor kernel stores): under PDL the first
+   tiles of older keys stream in while the predecessor finishes. */
+template <typename Issue, typename Ready, typename Attend>
+__device__ __forceinline__ void pipeline_tiles(int start, int end, int fresh, Issue&& issue, Ready&& ready,
+                                               Attend&& attend) {
   const int num_tiles = end > start ? (end - start + BN - 1) / BN : 0;
+  bool is_ready = false;
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < num_tiles) issue(start + s * BN, s);
+    if (s < num_tiles) {
+      if (start + (s + 1) * BN > fresh && !is_ready) { ready(); is_ready = true; }
+      issue(start + s * BN, s);
+    }
     cp_async_commit();
   }
+  if (!is_ready) ready();
   for (int it = 0; it < num_tiles; ++it) {
     {  /* the tile STAGES - 1 ahead goes into the stage freed at the end of the previous iteration */
       const int ahead = it + STAGES - 1;
@@ -311,7 +326,7 @@ extern "C" __global__ void __launch_bounds__(32, 1) paged_decode16(
     const int* __restrict__ block_tables,
     float scale_log2, int stride_q_seq, int stride_q_head, int stride_o_seq, int stride_o_head,
     long long stride_block_bytes, int stride_table, int num_q_heads, int num_splits) {
-  pdl_prologue();
+  pdl_launch_dependents();
   extern __shared__ __align__(128) unsigned char smem[];
   const int lane = threadIdx.x, g = lane >> 2, t = lane & 3;
   const int split = blockIdx.x, kv_head = blockIdx.y, seq = blockIdx.z;
@@ -321,16 +336,17 @@ extern "C" __global__ void __launch_bounds__(32, 1) paged_decode16(
   const int end = min(start + split_len, seq_len);
 
   /* B fragments of q^T (column g = query head g of the group): k-step ks holds dims 16 ks + 2t, +1 (b0)
-     and 16 ks + 8 + 2t, +1 (b1) */
+     and 16 ks + 8 + 2t, +1 (b1); loaded by `ready`, once the predecessor that writes q has completed */
   u32 qb0[D / 16], qb1[D / 16];
-  {
+  auto ready = [&]() {
+    pdl_wait();
     const u16* row = query + (long long)seq * stride_q_seq + (long long)(kv_head * GROUP + g) * stride_q_head;
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
       qb0[ks] = g < GROUP ? *(const u32*)(row + 16 * ks + 2 * t) : 0u;
       qb1[ks] = g < GROUP ? *(const u32*)(row + 16 * ks + 8 + 2 * t) : 0u;
     }
-  }
+  };
 
   /* Loads: K and V row r = cr + 2 i (16-byte chunk cc), i < BN / 2: tile position 2 i + cr, in table entry
      (tile + 2 i) / BLOCK_SIZE (BLOCK_SIZE a power of two >= 2). Chunk c of row r lands at c ^ (r & 7). */
@@ -365,7 +381,7 @@ extern "C" __global__ void __launch_bounds__(32, 1) paged_decode16(
   for (int j = 0; j < D / 16; ++j) { acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f; }
   float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;  /* heads 2t and 2t + 1 */
 
-  pipeline_tiles(start, end, issue, [&](int tile, int stage) {
+  pipeline_tiles(start, end, seq_len - 1, issue, ready, [&](int tile, int stage) {
     const u32 ks = smem0 + stage * STAGE_BYTES, vs = ks + TILE_BYTES;
 
     /* S^T = K q^T: m-tile mt is keys 16 mt .. + 15; ldmatrix matrix m = lane / 8: keys + 8 (m & 1),

@@ -90,7 +90,7 @@ extern "C" __global__ void __launch_bounds__(32, 1) fp8_paged_decode(
     const float* __restrict__ k_scale, const float* __restrict__ v_scale, float scale_log2,
     int stride_q_seq, int stride_q_head, int stride_o_seq, int stride_o_head,
     long long stride_block, int stride_table, int num_q_heads, int num_splits) {
-  pdl_prologue();
+  pdl_launch_dependents();
   extern __shared__ __align__(128) unsigned char smem[];
   const int lane = threadIdx.x, g = lane >> 2, t = lane & 3;
   const int split = blockIdx.x, kv_head = blockIdx.y, seq = blockIdx.z;
@@ -103,8 +103,11 @@ extern "C" __global__ void __launch_bounds__(32, 1) fp8_paged_decode(
   /* B fragments of q^T (column g = query head g of the group): k-slot (2t, 2t+1) of step ks is dim
      16 ks + 4t + (0, 1), slots (2t+8, 2t+9) dims + (2, 3), the order ldmatrix hands out K's bytes */
   u32 qlo[D / 16], qhi[D / 16];
-  load_q(query + (long long)seq * stride_q_seq + (long long)(kv_head * GROUP + g) * stride_q_head, g < GROUP, t,
-         qlo, qhi);
+  auto ready = [&]() {  /* once the predecessor that writes q (and this step's K/V row) has completed */
+    pdl_wait();
+    load_q(query + (long long)seq * stride_q_seq + (long long)(kv_head * GROUP + g) * stride_q_head, g < GROUP, t,
+           qlo, qhi);
+  };
 
   /* Loads: K row r = kr + 4 i (16-byte chunk kc), V pair row p = vr + 2 i (chunk vc), i < BN / 4; both
      start at tile position 4 i (+ 0..3), in table entry (tile + 4 i) / BLOCK_SIZE (a power of two >= 4) */
@@ -140,7 +143,7 @@ extern "C" __global__ void __launch_bounds__(32, 1) fp8_paged_decode(
   for (int j = 0; j < D / 16; ++j) { acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f; }
   float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;  /* heads 2t and 2t + 1 */
 
-  pipeline_tiles(start, end, issue, [&](int tile, int stage) {
+  pipeline_tiles(start, end, seq_len - 1, issue, ready, [&](int tile, int stage) {
     const u32 ks = smem0 + stage * STAGE_BYTES, vs = ks + K_TILE;
     const bool tail = tile + BN > end;
     if (tail && (end & 1)) {

@@ -12,6 +12,13 @@ write-after-read hazards alike), and only then it lets its own successor launch.
 therefore transitive down the stream and every kernel's bits are the same with PDL on or off; what
 overlaps is only the successor's launch and CTA dispatch with the predecessor's tail.
 
+The one exception, the CUDA decode kernels (kernels/decode_attention_cuda.py `pipeline_tiles`): they let
+their successor launch first and start copying tiles of older keys before `griddepcontrol.wait`. Those
+keys were written by earlier steps, whose kernels had completed before the predecessor passed its own
+wait (the only way it could let this kernel launch); q and the step's new K/V row, which the predecessor
+writes, and every write of the kernel come after the wait. So the bits stay the same and completion stays
+transitive, and the K/V stream overlaps the q/k norm + rotary + store kernel before it.
+
 The switch (`set_pdl`, or `pdl_launches` around a block: the engine asks for it per captured decode
 graph, see executor/cuda_graphs.PDL_MAX_ROWS) is a request; a launch uses PDL only where it can run:
 a CUDA (not ROCm) device of compute capability >= 9.0, not under TRITON_INTERPRET, and a Triton that

@@ -133,3 +133,65 @@ def test_cuda_decode_under_pdl_waits_for_its_producer():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, expected)
+
+
+def test_cuda_decode_under_pdl_streams_old_keys_early_and_waits_for_the_new_row():
+    """Under PDL the kernel copies tiles of older keys before `griddepcontrol.wait` (they overlap its
+    predecessor); q and each sequence's last key/value row, which the predecessor writes, are read only
+    after it. The producer here lets its successor launch at once, spins, then writes q and the last rows
+    over NaN: any early read of them shows in the output. Lengths put the last row in the first tile, in a
+    later one, and in every split."""
+    import triton
+    import triton.language as tl
+
+    from spmd_engine.kernels.pdl import pdl_launch, pdl_launches, pdl_prologue, pdl_supported
+
+    @triton.jit
+    def _late_producer(q_src, q_dst, k_src, v_src, k_cache, v_cache, row_offsets, spin_seed,
+                       Q_ELEMS: tl.constexpr, KV_ELEMS: tl.constexpr, SPIN: tl.constexpr, USE_PDL: tl.constexpr):
+        pdl_prologue(USE_PDL)  # waits for its own predecessor, then lets the attention kernel launch
+        seq = tl.program_id(0)
+        acc = tl.load(spin_seed)
+        for _ in range(SPIN):
+            acc = acc * 0.9999999 + 1e-7
+        late = acc > -1.0  # unknown to the compiler: the stores stay after the spin
+        q_cols = tl.arange(0, Q_ELEMS)
+        tl.store(q_dst + seq * Q_ELEMS + q_cols, tl.load(q_src + seq * Q_ELEMS + q_cols), mask=late)
+        kv_cols = tl.arange(0, KV_ELEMS)
+        row = tl.load(row_offsets + seq)
+        tl.store(k_cache + row + kv_cols, tl.load(k_src + seq * KV_ELEMS + kv_cols), mask=late)
+        tl.store(v_cache + row + kv_cols, tl.load(v_src + seq * KV_ELEMS + kv_cols), mask=late)
+
+    cuda_decode = _cuda_decode()
+    device = torch.device("cuda")
+    if not pdl_supported(device):
+        pytest.skip("PDL needs sm_90+ and a Triton with grid-dependency control")
+    lengths, hq, hkv, block_size = [1, 3, 64, 65, 700, 1500, 2049], 16, 8, 16
+    query, k, v, seq_lens, tables = _inputs(lengths, hq, hkv, block_size)
+    rows = torch.tensor([int(tables[b, (n - 1) // block_size]) * block_size + (n - 1) % block_size
+                         for b, n in enumerate(lengths)], device="cuda")
+    k_last, v_last = k.view(-1, hkv * D)[rows].clone(), v.view(-1, hkv * D)[rows].clone()
+    q_true = query.clone()
+    spin_seed = torch.ones(1, device="cuda")
+
+    def produce():
+        _late_producer[(len(lengths),)](q_true, query, k_last, v_last, k, v, rows * (hkv * D), spin_seed,
+                                        Q_ELEMS=hq * D, KV_ELEMS=hkv * D, SPIN=20000, **pdl_launch(device))
+
+    with pdl_launches(True):
+        produce()  # compiled outside the capture
+    for splits in (None, 1, 4):
+        expected = cuda_decode.paged_decode_attention_cuda(q_true, k, v, seq_lens, tables, 0.088, num_splits=splits)
+        out = torch.empty_like(query)
+        with pdl_launches(True):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                produce()
+                cuda_decode.paged_decode_attention_cuda(query, k, v, seq_lens, tables, 0.088, out, num_splits=splits)
+        for _ in range(3):
+            query.fill_(float("nan"))
+            k.view(-1, hkv * D)[rows] = float("nan")
+            v.view(-1, hkv * D)[rows] = float("nan")
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, expected), f"splits={splits}"
