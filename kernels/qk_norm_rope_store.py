@@ -234,9 +234,10 @@ def qk_norm_rope_store(
     eps: float = 0.0,
     k_scale: torch.Tensor | None = None,  # [Hkv] float32, only with a float8_e4m3fn cache
     v_scale: torch.Tensor | None = None,
+    q_out: torch.Tensor | None = None,  # [T, Hq, D] contiguous, q's dtype: where q goes (None: a new tensor)
 ) -> torch.Tensor:
-    """rotary(norm(q)) -> [T, Hq, D] contiguous in q's dtype; rotary(norm(k)) and v written into the cache.
-    The same bits as rms_norm_pair, apply_rotary on q and on k, then store_kv."""
+    """rotary(norm(q)) -> [T, Hq, D] contiguous in q's dtype (`q_out` when given); rotary(norm(k)) and v
+    written into the cache. The same bits as rms_norm_pair, apply_rotary on q and on k, then store_kv."""
     has_norm = check_qk_inputs("qk_norm_rope_store", q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_weight,
                                k_weight)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -244,7 +245,11 @@ def qk_norm_rope_store(
     quantize = check_kv_scales("qk_norm_rope_store", k_cache, k_scale, v_scale)
     if k_cache.stride(3) != 1:
         raise ValueError("qk_norm_rope_store: k_cache/v_cache head_dim must be contiguous")
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if q_out is None:
+        q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    elif q_out.shape != q.shape or q_out.dtype != q.dtype or not q_out.is_contiguous():
+        raise ValueError(f"qk_norm_rope_store: q_out must be a contiguous {tuple(q.shape)} {q.dtype} tensor, got "
+                         f"{tuple(q_out.shape)} {q_out.dtype}")
     if num_tokens == 0:
         return q_out
     num_kv_heads = k.shape[1]

@@ -108,8 +108,11 @@ def rms_norm(
     weight: torch.Tensor,  # [N]
     eps: float,
     residual: torch.Tensor | None = None,  # same shape as x, contiguous rows
+    residual_out: torch.Tensor | None = None,  # where x + residual goes (contiguous; may be `residual` itself)
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """`norm(x)`, or with `residual` `(norm(x + residual), x + residual)`; outputs are contiguous."""
+    """`norm(x)`, or with `residual` `(norm(x + residual), x + residual)`; outputs are contiguous. With
+    `residual_out` the sum is written there: each row is read before it is written, so it may be `residual`
+    (the residual stream updated in place, as RMSNorm does on CUDA)."""
     if x.dim() not in (2, 3) or x.stride(-1) != 1:
         raise ValueError(f"rms_norm: x must be [T, N] or [T, H, N] with a contiguous last dim, got {tuple(x.shape)}")
     num_cols = x.shape[-1]
@@ -118,14 +121,18 @@ def rms_norm(
     heads = x.shape[1] if x.dim() == 3 else 1
     stride_head = x.stride(1) if x.dim() == 3 else 0
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    residual_out = out
-    if residual is not None:
+    if residual is None:
+        residual_out = out  # unwritten without HAS_RESIDUAL
+    else:
         if residual.shape != x.shape:
             raise ValueError(f"rms_norm: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
         residual = residual.reshape(-1, num_cols)
         if residual.stride(-1) != 1:
             residual = residual.contiguous()
-        residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        if residual_out is None:
+            residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        elif residual_out.shape != x.shape or residual_out.dtype != x.dtype or not residual_out.is_contiguous():
+            raise ValueError(f"rms_norm: residual_out must be a contiguous {tuple(x.shape)} {x.dtype} tensor")
     rows = x.shape[0] * heads
     if rows:
         _rms_norm_kernel[(rows,)](

@@ -32,6 +32,9 @@ class AttentionMetadata:
     # the Triton path's per-step launch plans (kernels/mixed_attention.py), keyed by the layer tensors'
     # geometry: built by the first layer of a step, reused by the others (host time per layer)
     launch_plans: dict = field(default_factory=dict, repr=False, compare=False)
+    # [T, Hq * D] (this rank's heads): where the fused q/k norm + rotary + KV store writes q, so the piecewise
+    # graphs get q in their static buffer without a copy; None: a new tensor
+    q_out: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

@@ -106,8 +106,9 @@ class Attention(nn.Module):
         if not can_fuse(q, k, v, *cos_sin, qk_norm is not None):
             return None
         q_weight, k_weight, eps = qk_norm if qk_norm is not None else (None, None, 0.0)
+        q_out = attn.q_out.view(q.shape) if attn.q_out is not None else None
         return qk_norm_rope_store(q, k, v, *cos_sin, self.k_cache, self.v_cache, attn.slot_mapping, q_weight,
-                                  k_weight, eps, self.k_scale, self.v_scale)
+                                  k_weight, eps, self.k_scale, self.v_scale, q_out=q_out)
 
     def rotate_store_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             cos_sin: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata,

@@ -23,11 +23,14 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """`norm(x)`; with `residual`: `(norm(x + residual), x + residual)`."""
+        """`norm(x)`; with `residual`: `(norm(x + residual), x + residual)`. On CUDA the sum goes over
+        `residual` itself where it is contiguous (the stream is read once per layer, never again): no new
+        tensor, and the piecewise graphs' static residual buffer stays where the next piece reads it."""
         if x.is_cuda and x.dim() in (2, 3) and x.stride(-1) == 1:
             from spmd_engine.kernels.rms_norm import rms_norm
 
-            return rms_norm(x, self.weight, self.eps, residual)
+            in_place = residual is not None and residual.shape == x.shape and residual.is_contiguous()
+            return rms_norm(x, self.weight, self.eps, residual, residual if in_place else None)
         if residual is not None:
             x = x + residual
             return self._normalize(x), x

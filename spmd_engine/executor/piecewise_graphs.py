@@ -93,11 +93,14 @@ class _StaticBuffers:
         self.tensors: dict[str, torch.Tensor] = {}
 
     def write(self, name: str, value: torch.Tensor) -> None:
-        """value [n, ...] -> rows [:n] of the static tensor `name`."""
+        """value [n, ...] -> rows [:n] of the static tensor `name` (nothing to do where the piece wrote
+        them in place: q through `AttentionMetadata.q_out`, the residual stream through RMSNorm)."""
         if name not in self.tensors:
             rows = self.max_tokens if name != "logits" else value.shape[0]
             self.tensors[name] = torch.zeros((rows, *value.shape[1:]), dtype=value.dtype, device=value.device)
-        self.tensors[name][: value.shape[0]].copy_(value)
+        rows = self.tensors[name][: value.shape[0]]
+        if rows.data_ptr() != value.data_ptr() or rows.stride() != value.stride():
+            rows.copy_(value)
 
     def read(self, name: str, n: int) -> torch.Tensor:
         return self.tensors[name][:n]
@@ -168,6 +171,7 @@ class PiecewiseGraphs:
                                  max_seq_len=n, block_size=buffers.block_size, is_decode=False)
 
         def before(i: int, hidden: torch.Tensor, residual: torch.Tensor | None, cos_sin) -> None:
+            attn.q_out = static.read("q", n) if "q" in static.tensors else None  # set up by the first run
             q, _, _, residual = layers[i].before_attention(hidden, residual, cos_sin, attn)
             static.write("q", q)
             static.write("residual", residual)

@@ -30,6 +30,23 @@ def test_plain_and_with_residual(rows, cols, dtype):
     torch.testing.assert_close(out, ref_out, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("rows,cols,dtype", [(5, 48, torch.float32), gpu_case(4096, 1024, torch.bfloat16)])
+def test_residual_out_may_be_the_residual_itself(rows, cols, dtype):
+    """RMSNorm on CUDA updates the residual stream in place (`residual_out=residual`): the same bits as a
+    new tensor, and a wrong-shaped destination is one clear error."""
+    gen = torch.Generator().manual_seed(rows + 1)
+    x = torch.randn(rows, cols, generator=gen).to(dtype).to(DEVICE)
+    res = torch.randn(rows, cols, generator=gen).to(dtype).to(DEVICE)
+    w = (1 + 0.1 * torch.randn(cols, generator=gen)).to(dtype).to(DEVICE)
+    out, summed = rms_norm(x, w, 1e-6, res)
+    stream = res.clone()
+    out_in_place, summed_in_place = rms_norm(x, w, 1e-6, stream, residual_out=stream)
+    assert summed_in_place.data_ptr() == stream.data_ptr()
+    assert torch.equal(out_in_place, out) and torch.equal(stream, summed)
+    with pytest.raises(ValueError, match="residual_out must be a contiguous"):
+        rms_norm(x, w, 1e-6, res, residual_out=torch.empty(rows, cols + 1, dtype=dtype, device=DEVICE))
+
+
 def test_per_head_norm_of_a_strided_qkv_slice():
     gen = torch.Generator().manual_seed(1)
     qkv = torch.randn(4, 3 * 16 + 8, generator=gen).to(DEVICE)  # 3 heads of 16 + unrelated columns
