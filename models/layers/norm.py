@@ -29,7 +29,7 @@ class RMSNorm(nn.Module):
         if x.is_cuda and x.dim() in (2, 3) and x.stride(-1) == 1:
             from spmd_engine.kernels.rms_norm import rms_norm
 
-            in_place = residual is not None and residual.shape == x.shape and residual.is_contiguous()
+            in_place = residual is not None and residual.is_contiguous()
             return rms_norm(x, self.weight, self.eps, residual, residual if in_place else None)
         if residual is not None:
             x = x + residual

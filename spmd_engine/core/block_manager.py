@@ -105,9 +105,10 @@ class BlockManager:
         self.prefix_cache_hits += num_cached
         return num_cached
 
-    def num_tokens_to_compute(self, seq: Sequence) -> int:
-        """What admitting `seq` now would leave to compute: its tokens past the cached prefix (no change)."""
-        hits = sum(1 for _ in self._cached_prefix(seq)) if self.enable_prefix_caching else 0
+    def num_tokens_to_compute(self, seq: Sequence, use_cache: bool = True) -> int:
+        """What `allocate_prefix(seq, use_cache)` now would leave to compute: its tokens past the cached
+        prefix (nothing changes)."""
+        hits = sum(1 for _ in self._cached_prefix(seq)) if self.enable_prefix_caching and use_cache else 0
         return seq.num_tokens - hits * self.block_size
 
     def _cached_prefix(self, seq: Sequence) -> Iterator[tuple[int, int]]:

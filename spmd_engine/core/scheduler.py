@@ -99,6 +99,11 @@ class ScheduleOutput:
         seq.num_pending_tokens += sample
 
 
+def _uses_prefix_cache(seq: Sequence) -> bool:
+    """A request with prompt logprobs computes every position: no prefix-cache hit for it."""
+    return seq.params.prompt_logprobs is None
+
+
 class Scheduler:
     """Owns the waiting queue, the running list and the block manager (rank 0 only)."""
 
@@ -133,10 +138,8 @@ class Scheduler:
 
     def tokens_to_compute(self, seq: Sequence) -> int:
         """Tokens admitting `seq` now would leave to compute: past its cached prefix, as `_admit_waiting`
-        would find it (a request with prompt logprobs computes every position)."""
-        if seq.params.prompt_logprobs is not None:
-            return seq.num_tokens
-        return self.block_manager.num_tokens_to_compute(seq)
+        would find it."""
+        return self.block_manager.num_tokens_to_compute(seq, use_cache=_uses_prefix_cache(seq))
 
     @property
     def num_running(self) -> int:
@@ -242,7 +245,7 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_pending_tokens:  # preempted while its token was pending: wait for it
                 break
-            bm.allocate_prefix(seq, use_cache=seq.params.prompt_logprobs is None)
+            bm.allocate_prefix(seq, use_cache=_uses_prefix_cache(seq))
             num_new = min(seq.num_tokens - seq.num_computed_tokens, token_budget, prompt_budget)
             if not bm.ensure_slots(seq, seq.num_computed_tokens + num_new):
                 bm.undo_prefix(seq)

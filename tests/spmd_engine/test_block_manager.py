@@ -210,3 +210,4 @@ def test_tokens_to_compute_is_what_admission_would_leave_and_changes_nothing(cac
         assert left == seq.num_tokens - seq.num_computed_tokens
         bm.free(seq)
     assert bm.num_tokens_to_compute(Sequence(2, list(range(9)))) == (1 if caching else 9)
+    assert bm.num_tokens_to_compute(Sequence(2, list(range(9))), use_cache=False) == 9  # prompt logprobs
