@@ -8,6 +8,8 @@ without the profiler give the step's wall time: above the kernels' sum is what r
 
     python launch/kernel_profile.py                         # Qwen3-0.6B dummy weights, batch 1 and 256
     python launch/kernel_profile.py --model qwen3 --batch 64 --context 2000 --set kv_cache_dtype=fp8
+    python launch/kernel_profile.py --whole-bench           # kernel totals over the nano-vllm bench run
+    python launch/kernel_profile.py --prefill-steps 5       # 8,190-token prefill steps (both: prefix cache off)
 """
 from __future__ import annotations
 
@@ -61,6 +63,15 @@ def per_step(engine, batch: int, context: int, short: int, long: int, top: int) 
         print(f"{us:9.1f} us {calls:6.1f} calls/step {us / max(calls, 1e-9):8.2f} us/call  {name[:90]}")
 
 
+def table(engine, requests, units: int, unit: str, top: int) -> None:
+    """Kernel GPU time over one generate call (after an unprofiled one), per `unit` (`units` of them)."""
+    engine.generate(requests)
+    rows = sorted(((us, calls, name) for name, (us, calls) in kernel_times(engine, requests).items()), reverse=True)
+    print(f"--- GPU kernels {sum(r[0] for r in rows) / units / 1e3:.3f} ms per {unit}")
+    for us, calls, name in rows[:top]:
+        print(f"{us / units:10.1f} us {calls / units:7.1f} calls {us / max(calls, 1):8.1f} us/call  {name[:90]}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="qwen3", help="a conf/model group (dummy weights)")
@@ -70,6 +81,9 @@ def main() -> None:
                    help="the two output lengths")
     p.add_argument("--top", type=int, default=18)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an engine key (yaml value)")
+    p.add_argument("--whole-bench", action="store_true", help="instead: kernel totals over the bench workload")
+    p.add_argument("--prefill-steps", type=int, default=0, metavar="N",
+                   help="instead: N pure prefill steps of 15 distinct 546-token prompts (8,190 tokens) each")
     args = p.parse_args()
 
     import yaml
@@ -80,12 +94,23 @@ def main() -> None:
     from spmd_engine.llm import compose_config
 
     keys = {"max_model_len": 4096, "log_level": "WARNING"}
+    if args.whole_bench or args.prefill_steps:  # the profiled run repeats the warm run's prompts: no cache hits
+        keys["enable_prefix_caching"] = False
     keys.update({k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in args.set)})
     raw = compose_config(args.model, keys)
     raw["model"]["load_format"] = "dummy"
     engine = Engine(engine_config_from_dict(raw), RankInfo(0, 1, 0, "127.0.0.1", 0, "single"))
     try:
-        for batch in args.batch:
+        from spmd_engine.job.workloads import bench_requests
+
+        if args.whole_bench:
+            table(engine, bench_requests({}), 1, "bench run", args.top)
+        if args.prefill_steps:
+            n = 15 * args.prefill_steps
+            prompts = bench_requests({"num_seqs": n, "min_input_len": 546, "max_input_len": 546, "min_output_len": 1,
+                                      "max_output_len": 1, "random_seed": 99})
+            table(engine, prompts, args.prefill_steps, "8,190-token prefill step", args.top)
+        for batch in [] if args.whole_bench or args.prefill_steps else args.batch:
             per_step(engine, batch, args.context, args.steps[0], args.steps[1], args.top)
     finally:
         engine.close()
