@@ -13,11 +13,18 @@ Same grid, partials and merge (by the last split to finish) as the Triton split 
 also holds what both CUDA decode kernels share (device code, `builds_on`, `shapes_fit`,
 `run_split_kernel`). Shapes it takes (`supports`): head_dim 128, at most 8 query heads per KV head,
 block_size a power of two >= 2, the cache in the model's dtype (bf16 or fp16).
+
+On a decode step it also prepares its own inputs (`DecodePrologue`, `PREPARE_QK_IN_KERNEL`): each warp
+norms and rotates its GROUP query heads from the qkv projection's raw q while its first K/V tile lands,
+and the split holding the new token norms, rotates and stores that token's K/V row, handing it to its
+tile in shared memory rather than waiting for the store: qk_norm_rope_store's launch before attention
+goes (28 launches a Qwen3-0.6B step), for the same cache and, within the norm's last bit, the same q.
 """
 from __future__ import annotations
 
 import ctypes
 import logging
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -30,6 +37,11 @@ BLOCK_N = 64  # keys per tile
 STAGES = 2  # tiles in flight per warp (shared memory: STAGES x 32 KB)
 PROGRAMS_PER_SM = 3  # resident warps per SM when choosing the split count
 HEAD_DIM = 128
+# Decode steps hand the kernel the qkv projection's raw rows (`DecodePrologue`) instead of running
+# qk_norm_rope_store before it: one launch a layer fewer (models/layers/attention.py). Measured on an H200
+# (docs/BENCHMARKS.md, session 19): batch 1 +3.7 % tok/s (ITL p50 1.02 -> 0.98 ms), 32 requests +2.2 %,
+# the 256-request bench +0.2-0.4 % (the prologue a warp runs while its first tile lands about pays there).
+PREPARE_QK_IN_KERNEL = True
 log = logging.getLogger(__name__)
 
 # Device code both CUDA decode kernels share (this one and kernels/decode_attention_fp8_cuda.py): PTX wrappers,
@@ -301,6 +313,159 @@ __device__ __forceinline__ void write_output(const float (&acc)[D / 16][4], floa
 }
 """
 
+# FUSED_QK: the kernel prepares its own inputs from the qkv projection (`DecodePrologue`), replacing the
+# qk_norm_rope_store launch before it. Every rounding of that kernel is kept (the norm rounded to the model
+# dtype before its weight, the weighted row rounded, rotary in float32 rounded once); the norm's float32 sum
+# runs in this warp's own order, so a q/k element may differ from the store kernel's in its last bit.
+QK_PROLOGUE = r"""
+#if IS_BF16
+__device__ __forceinline__ float lo_f(u32 x) { return __uint_as_float(x << 16); }
+__device__ __forceinline__ float hi_f(u32 x) { return __uint_as_float(x & 0xffff0000u); }
+#else
+__device__ __forceinline__ float lo_f(u32 x) {
+  float r;
+  asm("{ .reg .f16 l, h; mov.b32 {l, h}, %1; cvt.f32.f16 %0, l; }" : "=f"(r) : "r"(x));
+  return r;
+}
+__device__ __forceinline__ float hi_f(u32 x) {
+  float r;
+  asm("{ .reg .f16 l, h; mov.b32 {l, h}, %1; cvt.f32.f16 %0, h; }" : "=f"(r) : "r"(x));
+  return r;
+}
+#endif
+__device__ __forceinline__ float round_model(float x) { return lo_f(pack_out(x, 0.f)); }
+__device__ __forceinline__ u32 ld_u32(const u16* p) { return *(const u32*)p; }
+
+/* x (one head's values this lane holds, `lanes` lanes a head: xor-shuffle partners below `lanes`) ->
+   rmsnorm(x) * weight, each product rounded as the store kernel rounds it; w = the weights of x's dims */
+template <int N>
+__device__ __forceinline__ void norm_values(float (&x)[N], const float (&w)[N], float eps, int lanes) {
+  float ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < N; ++i) ss += x[i] * x[i];
+  for (int m = 1; m < lanes; m <<= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m);
+  const float inv = rsqrtf(ss / (float)D + eps);
+#pragma unroll
+  for (int i = 0; i < N; ++i) x[i] = round_model(round_model(x[i] * inv) * w[i]);
+}
+
+/* A lane's q inputs (query head g of the group; k-step ks: dims 16 ks + 2t, +1 and 16 ks + 8 + 2t, +1, the MMA's
+   b0/b1 order) as raw pairs: the projection's q, the norm weights, and cos/sin of the first half's dims. Loaded
+   together with `NewKv`'s before either is used: the prologue waits for memory once. */
+struct QInputs {
+  u32 x[D / 8], w[D / 8], c[D / 16], s[D / 16];
+};
+__device__ __forceinline__ void load_q_inputs(QInputs& in, const u16* row, bool live, const u16* weight,
+                                              const u16* cos_row, const u16* sin_row, int t) {
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) {
+    in.x[2 * ks] = live ? ld_u32(row + 16 * ks + 2 * t) : 0u;
+    in.x[2 * ks + 1] = live ? ld_u32(row + 16 * ks + 8 + 2 * t) : 0u;
+#if HAS_NORM
+    in.w[2 * ks] = ld_u32(weight + 16 * ks + 2 * t);
+    in.w[2 * ks + 1] = ld_u32(weight + 16 * ks + 8 + 2 * t);
+#endif
+  }
+#pragma unroll
+  for (int ks = 0; ks < D / 32; ++ks) {
+    in.c[2 * ks] = ld_u32(cos_row + 16 * ks + 2 * t);
+    in.c[2 * ks + 1] = ld_u32(cos_row + 16 * ks + 8 + 2 * t);
+    in.s[2 * ks] = ld_u32(sin_row + 16 * ks + 2 * t);
+    in.s[2 * ks + 1] = ld_u32(sin_row + 16 * ks + 8 + 2 * t);
+  }
+}
+
+/* -> the q fragments: (norm,) then rotary on the NeoX halves, dim d with d + D/2, i.e. k-step ks with
+   ks + D/32, which the same lane holds */
+__device__ __forceinline__ void rotated_q_fragments(u32 (&qb0)[D / 16], u32 (&qb1)[D / 16], const QInputs& in,
+                                                    float eps) {
+  float x[D / 4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) { x[2 * i] = lo_f(in.x[i]); x[2 * i + 1] = hi_f(in.x[i]); }
+#if HAS_NORM
+  {
+    float w[D / 4];
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) { w[2 * i] = lo_f(in.w[i]); w[2 * i + 1] = hi_f(in.w[i]); }
+    norm_values(x, w, eps, 4);  /* a head's 128 dims are the 4 lanes of one g */
+  }
+#endif
+#pragma unroll
+  for (int ks = 0; ks < D / 32; ++ks) {
+    const float c[4] = {lo_f(in.c[2 * ks]), hi_f(in.c[2 * ks]), lo_f(in.c[2 * ks + 1]), hi_f(in.c[2 * ks + 1])};
+    const float s[4] = {lo_f(in.s[2 * ks]), hi_f(in.s[2 * ks]), lo_f(in.s[2 * ks + 1]), hi_f(in.s[2 * ks + 1])};
+    float o1[4], o2[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float x1 = x[4 * ks + i], x2 = x[4 * (ks + D / 32) + i];
+      o1[i] = x1 * c[i] - x2 * s[i];
+      o2[i] = x2 * c[i] + x1 * s[i];
+    }
+    qb0[ks] = pack_out(o1[0], o1[1]);
+    qb1[ks] = pack_out(o1[2], o1[3]);
+    qb0[ks + D / 32] = pack_out(o2[0], o2[1]);
+    qb1[ks + D / 32] = pack_out(o2[2], o2[3]);
+  }
+}
+
+/* The new token's K/V inputs for one KV head as a lane's raw pairs (K dims 2l, 2l + 1 and their rotary
+   partners D/2 + 2l, +1; V dims 4l .. 4l + 3) and the row's slot. */
+struct NewKv {
+  u32 k[2], v[2], w[2], c, s;
+  long long slot;
+};
+__device__ __forceinline__ void load_new_kv(NewKv& in, const u16* k_row, const u16* v_row, const u16* weight,
+                                            const u16* cos_row, const u16* sin_row, const long long* slot, int lane) {
+  in.slot = *slot;
+  in.v[0] = ld_u32(v_row + 4 * lane);
+  in.v[1] = ld_u32(v_row + 4 * lane + 2);
+  in.k[0] = ld_u32(k_row + 2 * lane);
+  in.k[1] = ld_u32(k_row + D / 2 + 2 * lane);
+#if HAS_NORM
+  in.w[0] = ld_u32(weight + 2 * lane);
+  in.w[1] = ld_u32(weight + D / 2 + 2 * lane);
+#endif
+  in.c = ld_u32(cos_row + 2 * lane);
+  in.s = ld_u32(sin_row + 2 * lane);
+}
+
+/* -> the lane's share of the K row (norm,) rotated and of the V row: 4 bytes at byte 4 lane and at D + 4 lane
+   of the K row, 8 bytes at byte 8 lane of the V row; also stored at k_dst / v_dst (null: not stored) */
+__device__ __forceinline__ void new_kv_row(u32 (&kv)[4], const NewKv& in, float eps, unsigned char* k_dst,
+                                           unsigned char* v_dst, int lane) {
+  float x[4] = {lo_f(in.k[0]), hi_f(in.k[0]), lo_f(in.k[1]), hi_f(in.k[1])};
+#if HAS_NORM
+  {
+    const float w[4] = {lo_f(in.w[0]), hi_f(in.w[0]), lo_f(in.w[1]), hi_f(in.w[1])};
+    norm_values(x, w, eps, 32);
+  }
+#endif
+  const float c0 = lo_f(in.c), c1 = hi_f(in.c), s0 = lo_f(in.s), s1 = hi_f(in.s);
+  kv[0] = pack_out(x[0] * c0 - x[2] * s0, x[1] * c1 - x[3] * s1);
+  kv[1] = pack_out(x[2] * c0 + x[0] * s0, x[3] * c1 + x[1] * s1);
+  kv[2] = in.v[0];
+  kv[3] = in.v[1];
+  if (k_dst != nullptr) {
+    ((u32*)k_dst)[lane] = kv[0];
+    ((u32*)k_dst)[D / 4 + lane] = kv[1];
+    ((u32*)v_dst)[2 * lane] = kv[2];
+    ((u32*)v_dst)[2 * lane + 1] = kv[3];
+  }
+}
+
+/* Puts the new row (`new_kv_row`'s shares) at row r of a landed K/V tile in shared memory (chunk c of row r
+   at c ^ (r & 7)), over whatever the copy brought: the tile never waits for the row's global store. */
+__device__ __forceinline__ void put_new_row(u32 ks, u32 vs, int r, const u32 (&kv)[4], int lane) {
+  const u32 k_row = ks + r * ROW_BYTES, v_row = vs + r * ROW_BYTES, swz = r & 7;
+  const u32 k0 = k_row + (((u32)(lane >> 2) ^ swz) << 4) + 4 * (lane & 3);
+  const u32 k1 = k_row + (((u32)(8 + (lane >> 2)) ^ swz) << 4) + 4 * (lane & 3);
+  const u32 v0 = v_row + (((u32)(lane >> 1) ^ swz) << 4) + 8 * (lane & 1);
+  asm volatile("st.shared.u32 [%0], %1;" :: "r"(k0), "r"(kv[0]) : "memory");
+  asm volatile("st.shared.u32 [%0], %1;" :: "r"(k1), "r"(kv[1]) : "memory");
+  asm volatile("st.shared.v2.u32 [%0], {%1, %2};" :: "r"(v0), "r"(kv[2]), "r"(kv[3]) : "memory");
+}
+"""
+
 _SOURCE = DEVICE_HELPERS + r"""
 #define ROW_BYTES (2 * D)        /* one position of one KV head */
 #define TILE_BYTES (BN * ROW_BYTES)
@@ -316,16 +481,20 @@ _SOURCE = DEVICE_HELPERS + r"""
 #define pack_out pack_f16x2
 #define mma16816 mma_f16
 #endif
-""" + SHARED_DECODE + r"""
+""" + SHARED_DECODE + QK_PROLOGUE + r"""
 /* One warp = one (sequence, KV head, split). S^T = K q^T and O^T = V^T P^T: keys and dims fill the MMA's
    16 rows, the GROUP query heads its 8 columns; the accumulator is [128 dims x 8 heads] (32 floats a lane). */
 extern "C" __global__ void __launch_bounds__(32, 1) paged_decode16(
-    const u16* __restrict__ query, const unsigned char* __restrict__ k_cache,
-    const unsigned char* __restrict__ v_cache, u16* __restrict__ out, float* __restrict__ partial_out,
+    const u16* __restrict__ query, unsigned char* __restrict__ k_cache,
+    unsigned char* __restrict__ v_cache, u16* __restrict__ out, float* __restrict__ partial_out,
     float* __restrict__ partial_lse, int* __restrict__ counters, const int* __restrict__ seq_lens,
     const int* __restrict__ block_tables,
     float scale_log2, int stride_q_seq, int stride_q_head, int stride_o_seq, int stride_o_head,
-    long long stride_block_bytes, int stride_table, int num_q_heads, int num_splits) {
+    long long stride_block_bytes, int stride_table, int num_q_heads, int num_splits,
+    /* FUSED_QK only (`DecodePrologue`): the projection's new k/v rows, rotary tables, norm weights, slots */
+    const u16* __restrict__ k_new, const u16* __restrict__ v_new, const u16* __restrict__ cos_table,
+    const u16* __restrict__ sin_table, const u16* __restrict__ q_weight, const u16* __restrict__ k_weight,
+    const long long* __restrict__ slot_mapping, float eps, int stride_k_seq, int stride_v_seq, int stride_cs_seq) {
   pdl_launch_dependents();
   extern __shared__ __align__(128) unsigned char smem[];
   const int lane = threadIdx.x, g = lane >> 2, t = lane & 3;
@@ -338,14 +507,43 @@ extern "C" __global__ void __launch_bounds__(32, 1) paged_decode16(
   /* B fragments of q^T (column g = query head g of the group): k-step ks holds dims 16 ks + 2t, +1 (b0)
      and 16 ks + 8 + 2t, +1 (b1); loaded by `ready`, once the predecessor that writes q has completed */
   u32 qb0[D / 16], qb1[D / 16];
+#if FUSED_QK
+  /* the split holding the new token (position seq_len - 1) makes its K/V row (`new_kv_row`) and hands it to
+     its tile in shared memory: no tile waits for it, so `ready` may come after the first tiles' copies */
+  const bool holds_new = end == seq_len && start < end;
+  u32 new_kv[4] = {0u, 0u, 0u, 0u};
+  bool put_new = false;  /* set by `ready`, which runs before the first tile is attended */
+  const int fresh = 0x7fffffff;
+#else
+  const int fresh = seq_len - 1;  /* the predecessor stores this row: its tile is issued after `ready` */
+#endif
   auto ready = [&]() {
     pdl_wait();
     const u16* row = query + (long long)seq * stride_q_seq + (long long)(kv_head * GROUP + g) * stride_q_head;
+#if FUSED_QK
+    const u16* cos_row = cos_table + (long long)seq * stride_cs_seq;
+    const u16* sin_row = sin_table + (long long)seq * stride_cs_seq;
+    QInputs q_in;
+    NewKv kv_in;
+    load_q_inputs(q_in, row, g < GROUP, q_weight, cos_row, sin_row, t);
+    if (holds_new) {  /* this split holds the new token: it makes and stores its K/V row */
+      load_new_kv(kv_in, k_new + (long long)seq * stride_k_seq + kv_head * D,
+                  v_new + (long long)seq * stride_v_seq + kv_head * D, k_weight, cos_row, sin_row,
+                  slot_mapping + seq, lane);
+      const long long slot = kv_in.slot;
+      const long long dst = (slot / BLOCK_SIZE) * stride_block_bytes + (slot % BLOCK_SIZE) * STRIDE_POS_BYTES
+                            + (long long)kv_head * ROW_BYTES;
+      new_kv_row(new_kv, kv_in, eps, slot >= 0 ? k_cache + dst : nullptr, v_cache + dst, lane);
+      put_new = slot >= 0;  /* slot -1 (padding): stored nowhere, attended as the cache holds it, as before */
+    }
+    rotated_q_fragments(qb0, qb1, q_in, eps);
+#else
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
       qb0[ks] = g < GROUP ? *(const u32*)(row + 16 * ks + 2 * t) : 0u;
       qb1[ks] = g < GROUP ? *(const u32*)(row + 16 * ks + 8 + 2 * t) : 0u;
     }
+#endif
   };
 
   /* Loads: K and V row r = cr + 2 i (16-byte chunk cc), i < BN / 2: tile position 2 i + cr, in table entry
@@ -381,8 +579,14 @@ extern "C" __global__ void __launch_bounds__(32, 1) paged_decode16(
   for (int j = 0; j < D / 16; ++j) { acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f; }
   float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;  /* heads 2t and 2t + 1 */
 
-  pipeline_tiles(start, end, seq_len - 1, issue, ready, [&](int tile, int stage) {
+  pipeline_tiles(start, end, fresh, issue, ready, [&](int tile, int stage) {
     const u32 ks = smem0 + stage * STAGE_BYTES, vs = ks + TILE_BYTES;
+#if FUSED_QK
+    if (put_new && tile + BN >= seq_len) {
+      put_new_row(ks, vs, seq_len - 1 - tile, new_kv, lane);
+      __syncwarp();
+    }
+#endif
 
     /* S^T = K q^T: m-tile mt is keys 16 mt .. + 15; ldmatrix matrix m = lane / 8: keys + 8 (m & 1),
        chunk 2 ks + m / 2 (the A fragment's order) */
@@ -428,7 +632,49 @@ _ARG_TYPES = (
     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float,
     ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
     ctypes.c_longlong, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+    *(ctypes.c_void_p,) * 7, ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int,  # the FUSED_QK inputs
 )
+_NO_PROLOGUE_ARGS = (0,) * 7 + (0.0, 0, 0, 0)
+
+
+@dataclass(frozen=True)
+class DecodePrologue:
+    """What the kernel needs to prepare its own q and the new K/V (replacing the qk_norm_rope_store launch
+    before it on a decode step): the qkv projection's k and v [B, Hkv, D] (query is then its raw q), the
+    step's rotary tables [B, D/2], each row's cache slot (int64, -1: not stored) and the per-head RMSNorm
+    weights [D] with eps (Qwen3; None: rotary only, as Llama)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slot_mapping: torch.Tensor
+    q_weight: torch.Tensor | None = None
+    k_weight: torch.Tensor | None = None
+    eps: float = 0.0
+
+    def fits(self, query: torch.Tensor) -> bool:
+        """The layout the prologue reads: heads of D contiguous values, 4-byte aligned rows (its u32 loads),
+        rotary tables of D/2 per row, weights [D] in the model dtype."""
+        num_seqs = query.shape[0]
+        if (self.q_weight is None) != (self.k_weight is None):
+            return False
+        rows = (self.k, self.v, self.cos, self.sin)
+        weights = () if self.q_weight is None else (self.q_weight, self.k_weight)
+        return (all(x.dtype == query.dtype and x.device == query.device and x.data_ptr() % 4 == 0 for x in rows + weights)
+                and self.k.shape == self.v.shape and self.k.shape[0] == num_seqs and self.k.shape[2] == HEAD_DIM
+                and self.k.stride()[1:] == (HEAD_DIM, 1) and self.v.stride()[1:] == (HEAD_DIM, 1)
+                and self.k.stride(0) % 2 == 0 and self.v.stride(0) % 2 == 0
+                and self.cos.shape == (num_seqs, HEAD_DIM // 2) and self.sin.stride() == self.cos.stride()
+                and self.sin.shape == self.cos.shape and self.cos.stride(1) == 1 and self.cos.stride(0) % 2 == 0
+                and all(w.shape == (HEAD_DIM,) and w.stride(0) == 1 for w in weights)
+                and self.slot_mapping.dtype == torch.int64 and self.slot_mapping.shape == (num_seqs,)
+                and self.slot_mapping.is_contiguous())
+
+    def args(self) -> tuple:
+        norm = self.q_weight is not None
+        return (self.k, self.v, self.cos, self.sin, self.q_weight if norm else 0, self.k_weight if norm else 0,
+                self.slot_mapping, float(self.eps), self.k.stride(0), self.v.stride(0), self.cos.stride(0))
 
 
 def builds_on(device: torch.device, min_capability: tuple[int, int], build, key: str) -> bool:
@@ -463,7 +709,7 @@ def shapes_fit(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 @lru_cache(maxsize=None)
 def usable(device: torch.device) -> bool:
     """sm_80+ (bf16 MMAs, cp.async, ldmatrix) where NVRTC builds this kernel (`builds_on`)."""
-    return builds_on(device, (8, 0), lambda index: _kernel(index, 1, 16, 1, True), "cuda_decode")
+    return builds_on(device, (8, 0), lambda index: _kernel(index, 1, 16, 1, True, 2), "cuda_decode")
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -474,10 +720,13 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
 
 
 @lru_cache(maxsize=None)
-def _kernel(device_index: int, group: int, block_size: int, num_kv_heads: int, is_bf16: bool) -> cuda_rtc.CudaKernel:
+def _kernel(device_index: int, group: int, block_size: int, num_kv_heads: int, is_bf16: bool,
+            prologue: int = 0) -> cuda_rtc.CudaKernel:
+    """`prologue`: 0 none (q rotated, K/V stored by a kernel before), 1 rotary, 2 norm and rotary (FUSED_QK)."""
     major, minor = torch.cuda.get_device_capability(device_index)
     defines = {"GROUP": group, "BLOCK_SIZE": block_size, "STRIDE_POS_BYTES": num_kv_heads * HEAD_DIM * 2,
-               "IS_BF16": int(is_bf16), "STAGES": STAGES, "BN": BLOCK_N}
+               "IS_BF16": int(is_bf16), "STAGES": STAGES, "BN": BLOCK_N, "FUSED_QK": int(prologue > 0),
+               "HAS_NORM": int(prologue == 2)}
     cubin = cuda_rtc.nvrtc_compile(_SOURCE, "paged_decode16", f"sm_{major}{minor}", defines)
     with torch.cuda.device(device_index):
         return cuda_rtc.load_kernel(cubin, "paged_decode16", _ARG_TYPES, threads=32,
@@ -492,11 +741,11 @@ def decode_config() -> da.DecodeConfig:
 def run_split_kernel(name: str, kernel: cuda_rtc.CudaKernel, query: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                      out: torch.Tensor | None, num_splits: int | None, cfg: da.DecodeConfig,
-                     cache_args: tuple = ()) -> torch.Tensor:
+                     cache_args: tuple = (), tail_args: tuple = ()) -> torch.Tensor:
     """Both CUDA decode kernels' launch: the split count (`decode_attention.split_count`), the partials,
     grid (splits x KV heads x sequences), PDL where the engine asks for it (kernels/pdl.py), and the merge:
     by the last split to finish (`decode_attention.DECODE_FUSED_MERGE`) or a second launch. `cache_args`
-    follow the block tables in the kernel's parameters (the fp8 scales)."""
+    follow the block tables in the kernel's parameters (the fp8 scales), `tail_args` end them."""
     da.check_attention_inputs(name, query, k_cache, v_cache)
     if out is None:
         out = torch.empty_like(query)
@@ -511,7 +760,7 @@ def run_split_kernel(name: str, kernel: cuda_rtc.CudaKernel, query: torch.Tensor
     kernel.launch((num_splits, num_kv_heads, num_seqs), [
         query, k_cache, v_cache, out, partial_out, partial_lse, counters, seq_lens, block_tables, *cache_args,
         scale * da._LOG2_E, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0) * k_cache.element_size(), block_tables.stride(0), num_q_heads, num_splits,
+        k_cache.stride(0) * k_cache.element_size(), block_tables.stride(0), num_q_heads, num_splits, *tail_args,
     ], pdl=pdl_enabled(query.device))
     if num_splits > 1 and not fused:
         da._merge_splits(partial_out, partial_lse, out)
@@ -521,10 +770,20 @@ def run_split_kernel(name: str, kernel: cuda_rtc.CudaKernel, query: torch.Tensor
 def paged_decode_attention_cuda(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
     block_tables: torch.Tensor, scale: float, out: torch.Tensor | None = None, *, num_splits: int | None = None,
+    prologue: DecodePrologue | None = None,
 ) -> torch.Tensor:
-    """`decode_attention.paged_decode_attention` for the shapes `supports` accepts: same arguments and result."""
+    """`decode_attention.paged_decode_attention` for the shapes `supports` accepts: same arguments and result.
+    With `prologue` (its `fits` holds), query is the projection's raw q: the kernel norms and rotates it, and
+    stores each row's new K/V at its slot before attending (the cache afterwards as qk_norm_rope_store
+    leaves it)."""
     num_q_heads, (block_size, num_kv_heads) = query.shape[1], k_cache.shape[1:3]
     index = query.device.index if query.device.index is not None else torch.cuda.current_device()
-    kernel = _kernel(index, num_q_heads // num_kv_heads, block_size, num_kv_heads, query.dtype == torch.bfloat16)
+    if prologue is not None and not prologue.fits(query):
+        raise ValueError("paged_decode_attention_cuda: the prologue's k/v/cos/sin/weights/slots do not fit "
+                         f"(DecodePrologue.fits) for query {tuple(query.shape)} {query.dtype}")
+    kind = 0 if prologue is None else 1 if prologue.q_weight is None else 2
+    kernel = _kernel(index, num_q_heads // num_kv_heads, block_size, num_kv_heads, query.dtype == torch.bfloat16,
+                     kind)
     return run_split_kernel("paged_decode_attention_cuda", kernel, query, k_cache, v_cache, seq_lens, block_tables,
-                            scale, out, num_splits, decode_config())
+                            scale, out, num_splits, decode_config(),
+                            tail_args=_NO_PROLOGUE_ARGS if prologue is None else prologue.args())

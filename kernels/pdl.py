@@ -16,8 +16,9 @@ The one exception, the CUDA decode kernels (kernels/decode_attention_cuda.py `pi
 their successor launch first and start copying tiles of older keys before `griddepcontrol.wait`. Those
 keys were written by earlier steps, whose kernels had completed before the predecessor passed its own
 wait (the only way it could let this kernel launch); q and the step's new K/V row, which the predecessor
-writes, and every write of the kernel come after the wait. So the bits stay the same and completion stays
-transitive, and the K/V stream overlaps the q/k norm + rotary + store kernel before it.
+writes (or the qkv rows the kernel prepares them from, `DecodePrologue`), and every write of the kernel
+(that row's store among them) come after the wait. So the bits stay the same and completion stays
+transitive, and the K/V stream overlaps the kernel before it.
 
 The switch (`set_pdl`, or `pdl_launches` around a block: the engine asks for it per captured decode
 graph, see executor/cuda_graphs.PDL_MAX_ROWS) is a request; a launch uses PDL only where it can run:

@@ -2,8 +2,8 @@
 
 On the Triton path the store is fused with the q/k norm and rotary before it (`rotate_and_store`), and on
 a decode step all of it runs inside the decode attention launch (`rotate_store_attend`); decode steps
-attend with a CUDA kernel instead where one applies (`fp8_decode_cuda` for an fp8 cache, `decode_cuda`
-for a bf16/fp16 one).
+attend with a CUDA kernel instead where one applies (`fp8_decode_cuda` for an fp8 cache, after the store
+kernel; `decode_cuda` for a bf16/fp16 one, which does the norm, rotary and store itself).
 
 The layer owns no weights; it is the one place that knows the attention backends. Heads here are
 this rank's heads. The engine binds `k_cache`/`v_cache` ([num_blocks, block_size, num_kv_heads,
@@ -144,8 +144,9 @@ class Attention(nn.Module):
         """A decode step through a CUDA kernel (fp8 cache: kernels/decode_attention_fp8_cuda.py, 1.16x the
         engine's fp8 throughput over the Triton kernel; bf16/fp16 cache: kernels/decode_attention_cuda.py;
         docs/BENCHMARKS.md sessions 16-17): norm, rotary and the K/V store in one Triton launch, then
-        attention -> [T, Hq*D]. None, having done nothing, where the kernel or the fused store does not take
-        these shapes (the caller takes the Triton path)."""
+        attention -> [T, Hq*D]; a bf16/fp16 cache's kernel does the norm, rotary and store itself where its
+        `DecodePrologue` fits (`PREPARE_QK_IN_KERNEL`, one launch a layer fewer). None, having done nothing,
+        where the kernel or the fused store does not take these shapes (the caller takes the Triton path)."""
         global _fp8_cuda, _cuda16
         if fp8:
             if _fp8_cuda is None:
@@ -164,6 +165,14 @@ class Attention(nn.Module):
                 and can_fuse(q, k, v.view(num_tokens, self.num_kv_heads, self.head_dim), *cos_sin,
                              qk_norm is not None)):
             return None
+        if not fp8 and kernel.PREPARE_QK_IN_KERNEL:
+            q_weight, k_weight, eps = qk_norm if qk_norm is not None else (None, None, 0.0)
+            prologue = kernel.DecodePrologue(k, v.view(num_tokens, self.num_kv_heads, self.head_dim), *cos_sin,
+                                             attn.slot_mapping, q_weight, k_weight, eps)
+            if prologue.fits(heads):
+                out = attend(heads, self.k_cache, self.v_cache, attn.seq_lens, attn.block_tables, self.scale,
+                             prologue=prologue)
+                return out.view(num_tokens, self.num_heads * self.head_dim)
         rotated = self.rotate_and_store(q, k, v, cos_sin, attn, qk_norm).view(heads.shape)
         out = attend(rotated, self.k_cache, self.v_cache, attn.seq_lens, attn.block_tables, self.scale, **scales)
         return out.view(num_tokens, self.num_heads * self.head_dim)

@@ -1,6 +1,7 @@
 """The CUDA decode kernel for bf16/fp16 caches (kernels/decode_attention_cuda.py) against the torch
 reference and the Triton kernel: GQA groups, block sizes, lengths around tile and block edges, split
-counts, NaN bytes past every end and in unowned blocks, a float16 model, and CUDA-graph replay."""
+counts, NaN bytes past every end and in unowned blocks, a float16 model, and CUDA-graph replay; and the
+prologue by which it prepares q and the new K/V itself, against qk_norm_rope_store before it."""
 from __future__ import annotations
 
 import math
@@ -192,6 +193,143 @@ def test_cuda_decode_under_pdl_streams_old_keys_early_and_waits_for_the_new_row(
             query.fill_(float("nan"))
             k.view(-1, hkv * D)[rows] = float("nan")
             v.view(-1, hkv * D)[rows] = float("nan")
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, expected), f"splits={splits}"
+
+
+def _prologue_case(lengths, hq, hkv, block_size, norm, dtype=torch.bfloat16, seed=1):
+    """A decode step as the model hands it over: the qkv projection's rows (q/k/v views of one [B, (hq + 2 hkv) D]
+    tensor), the rotary tables of each row's position, norm weights, and slots at each sequence's last position
+    (NaN there beforehand; the last row's slot -1 with a finite row already in the cache)."""
+    from spmd_engine.kernels.decode_attention_cuda import DecodePrologue
+
+    _, k_cache, v_cache, seq_lens, tables = _inputs(lengths, hq, hkv, block_size, dtype, seed)
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
+    qkv = (torch.randn(len(lengths), (hq + 2 * hkv) * D, device="cuda", generator=gen) * 2).to(dtype)
+    q, k, v = qkv.split([hq * D, hkv * D, hkv * D], dim=1)
+    positions = (seq_lens - 1).double()
+    inv_freq = 1e6 ** (-torch.arange(0, D, 2, device="cuda", dtype=torch.float64) / D)
+    angles = positions[:, None] * inv_freq[None, :]
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    weights = [(1 + 0.2 * torch.randn(D, device="cuda", generator=gen)).to(dtype) for _ in range(2)] if norm \
+        else [None, None]
+    slots = torch.tensor([int(tables[b, (n - 1) // block_size]) * block_size + (n - 1) % block_size
+                          for b, n in enumerate(lengths)], device="cuda")
+    last = int(slots[-1])
+    k_cache.view(-1, hkv, D)[last] = 0.5
+    v_cache.view(-1, hkv, D)[last] = -0.25
+    slots[-1] = -1
+    prologue = DecodePrologue(k.view(-1, hkv, D), v.view(-1, hkv, D), cos, sin, slots, *weights, eps=1e-6)
+    return q.view(-1, hq, D), k_cache, v_cache, seq_lens, tables, prologue
+
+
+def _two_launches(query, k_cache, v_cache, seq_lens, tables, prologue, splits):
+    """qk_norm_rope_store, then the kernel on the rotated q: what the prologue replaces."""
+    from spmd_engine.kernels.qk_norm_rope_store import qk_norm_rope_store
+
+    p = prologue
+    rotated = qk_norm_rope_store(query, p.k, p.v, p.cos, p.sin, k_cache, v_cache, p.slot_mapping, p.q_weight,
+                                 p.k_weight, p.eps)
+    return _cuda_decode().paged_decode_attention_cuda(rotated, k_cache, v_cache, seq_lens, tables, 0.088,
+                                                      num_splits=splits)
+
+
+@pytest.mark.parametrize("hq,hkv", [(16, 8), (14, 2), (8, 8)])
+@pytest.mark.parametrize("block_size", [2, 16])
+@pytest.mark.parametrize("norm", [True, False])
+def test_cuda_decode_prepares_its_own_q_and_new_kv_as_the_store_kernel_does(hq, hkv, block_size, norm):
+    """With a `DecodePrologue` the kernel norms and rotates q, and norms, rotates and stores the new K/V, itself:
+    the cache as qk_norm_rope_store leaves it (V bit for bit; K within the last bit, the norm's sum running in
+    another order) and the output of the two launches, for every split count; slot -1 stores nothing."""
+    cuda_decode = _cuda_decode()
+    lengths = LENGTHS + [40]
+    query, k_cache, v_cache, seq_lens, tables, prologue = _prologue_case(lengths, hq, hkv, block_size, norm)
+    for splits in (None, 1, 3, 8):
+        k_ref, v_ref = k_cache.clone(), v_cache.clone()
+        expected = _two_launches(query, k_ref, v_ref, seq_lens, tables, prologue, splits)
+        k_got, v_got = k_cache.clone(), v_cache.clone()
+        out = cuda_decode.paged_decode_attention_cuda(query, k_got, v_got, seq_lens, tables, 0.088,
+                                                      num_splits=splits, prologue=prologue)
+        assert torch.isfinite(out).all(), splits
+        assert torch.equal(v_got.nan_to_num(7.0), v_ref.nan_to_num(7.0)), splits
+        k_diff = (k_got.float() - k_ref.float()).nan_to_num(0.0).abs()
+        assert torch.equal(k_got.isnan(), k_ref.isnan()), splits
+        assert (k_diff <= k_ref.float().abs().nan_to_num(0.0) / 128).all(), (splits, k_diff.max().item())
+        assert int((k_diff > 0).sum()) <= k_diff.numel() // 1000, splits  # a last-bit tie now and then at most
+        assert _rel(out, expected) < 2e-3, (splits, _rel(out, expected))
+        slot_last = int(tables[-1, (lengths[-1] - 1) // block_size]) * block_size + (lengths[-1] - 1) % block_size
+        assert (k_got.view(-1, hkv, D)[slot_last] == 0.5).all() and (v_got.view(-1, hkv, D)[slot_last] == -0.25).all()
+
+
+def test_cuda_decode_prologue_float16_and_refusals():
+    from spmd_engine.kernels.decode_attention_cuda import DecodePrologue
+
+    cuda_decode = _cuda_decode()
+    query, k_cache, v_cache, seq_lens, tables, prologue = _prologue_case([5, 300, 1025, 64], 16, 8, 16, True,
+                                                                         dtype=torch.float16)
+    expected = _two_launches(query, k_cache.clone(), v_cache.clone(), seq_lens, tables, prologue, None)
+    out = cuda_decode.paged_decode_attention_cuda(query, k_cache, v_cache, seq_lens, tables, 0.088, prologue=prologue)
+    assert _rel(out, expected) < 2e-3
+    p = prologue
+    assert not DecodePrologue(p.k, p.v, p.cos[:, :32], p.sin[:, :32], p.slot_mapping).fits(query)  # partial rotary
+    assert not DecodePrologue(p.k, p.v, p.cos, p.sin, p.slot_mapping.int()).fits(query)  # int32 slots
+    assert not DecodePrologue(p.k, p.v, p.cos, p.sin, p.slot_mapping, p.q_weight, None).fits(query)
+    with pytest.raises(ValueError, match="DecodePrologue.fits"):
+        cuda_decode.paged_decode_attention_cuda(query, k_cache, v_cache, seq_lens, tables, 0.088,
+                                                prologue=DecodePrologue(p.k, p.v, p.cos.float(), p.sin.float(),
+                                                                        p.slot_mapping))
+
+
+def test_cuda_decode_prologue_under_pdl_reads_the_projection_only_after_its_producer():
+    """Under PDL, in a captured graph, after a producer that lets it launch at once and writes the qkv rows
+    late: the prologue reads q/k/v only after `griddepcontrol.wait`, and the new K/V it stores before the
+    tiles that hold them are copied (the cache's last rows NaN before every replay)."""
+    import triton
+    import triton.language as tl
+
+    from spmd_engine.kernels.pdl import pdl_launch, pdl_launches, pdl_prologue, pdl_supported
+
+    @triton.jit
+    def _late_rows(src, dst, spin_seed, ELEMS: tl.constexpr, SPIN: tl.constexpr, USE_PDL: tl.constexpr):
+        pdl_prologue(USE_PDL)
+        row = tl.program_id(0)
+        acc = tl.load(spin_seed)
+        for _ in range(SPIN):
+            acc = acc * 0.9999999 + 1e-7
+        cols = tl.arange(0, ELEMS)
+        tl.store(dst + row * ELEMS + cols, tl.load(src + row * ELEMS + cols), mask=acc > -1.0)
+
+    cuda_decode = _cuda_decode()
+    device = torch.device("cuda")
+    if not pdl_supported(device):
+        pytest.skip("PDL needs sm_90+ and a Triton with grid-dependency control")
+    lengths, hq, hkv, block_size = [1, 3, 64, 65, 700, 1500, 2049, 9], 16, 8, 16
+    query, k_cache, v_cache, seq_lens, tables, prologue = _prologue_case(lengths, hq, hkv, block_size, True)
+    qkv = query.as_strided((len(lengths), (hq + 2 * hkv) * D), (query.stride(0), 1))
+    qkv_true, spin_seed = qkv.clone(), torch.ones(1, device="cuda")
+    slots = prologue.slot_mapping[prologue.slot_mapping >= 0]
+
+    def produce():
+        _late_rows[(len(lengths),)](qkv_true, qkv, spin_seed, ELEMS=(hq + 2 * hkv) * D, SPIN=20000,
+                                    **pdl_launch(device))
+
+    with pdl_launches(True):
+        produce()  # compiled outside the capture
+    for splits in (None, 1, 4):
+        expected = cuda_decode.paged_decode_attention_cuda(query, k_cache, v_cache, seq_lens, tables, 0.088,
+                                                           num_splits=splits, prologue=prologue)
+        out = torch.empty_like(expected)
+        with pdl_launches(True):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                produce()
+                cuda_decode.paged_decode_attention_cuda(query, k_cache, v_cache, seq_lens, tables, 0.088, out,
+                                                        num_splits=splits, prologue=prologue)
+        for _ in range(3):
+            qkv.fill_(float("nan"))
+            k_cache.view(-1, hkv, D)[slots] = float("nan")
+            v_cache.view(-1, hkv, D)[slots] = float("nan")
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(out, expected), f"splits={splits}"
