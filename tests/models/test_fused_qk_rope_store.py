@@ -85,3 +85,75 @@ def test_decode_steps_prepare_q_k_inside_attention_only_on_the_caches_named(monk
     run_paged(model, PROMPTS, num_steps=2)
     layers = len(model.decoder_layers())
     assert len(calls) == layers * 3 and not decode_calls
+
+
+class _CudaDecodeOnTorch:
+    """Stands in for kernels/decode_attention_cuda on CPU: its `DecodePrologue` and switch, and a kernel that
+    does what the prologue promises with the Triton kernels the two-launch path runs (the store kernel on the
+    raw q/k/v it was handed, then decode attention). Records the prologue of every call."""
+
+    def __init__(self, prepare: bool) -> None:
+        from spmd_engine.kernels import decode_attention_cuda
+
+        self.DecodePrologue = decode_attention_cuda.DecodePrologue
+        self.PREPARE_QK_IN_KERNEL = prepare
+        self.prologues: list = []
+
+    @staticmethod
+    def supports(query, k_cache, v_cache) -> bool:
+        return True
+
+    def paged_decode_attention_cuda(self, query, k_cache, v_cache, seq_lens, block_tables, scale, out=None, *,
+                                    num_splits=None, prologue=None):
+        from spmd_engine.kernels.decode_attention import paged_decode_attention
+
+        self.prologues.append(prologue)
+        if prologue is not None:
+            assert prologue.fits(query)
+            p = prologue
+            query = fused_module.qk_norm_rope_store(query, p.k, p.v, p.cos, p.sin, k_cache, v_cache, p.slot_mapping,
+                                                    p.q_weight, p.k_weight, p.eps)
+        return paged_decode_attention(query, k_cache, v_cache, seq_lens, block_tables, scale)
+
+
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "LlamaForCausalLM"])
+def test_decode_steps_hand_the_cuda_kernel_the_raw_projection_rows(monkeypatch, arch):
+    """With `PREPARE_QK_IN_KERNEL` a bf16/fp16 cache's decode step gives the CUDA kernel the qkv projection's raw
+    q/k/v, the step's cos/sin and slots and the layer's q/k norm weights (Qwen3), and runs no store kernel first;
+    the model's logits equal those of the store kernel followed by the kernel (a swapped, dropped or pre-rotated
+    input would show)."""
+    import spmd_engine.models.layers.attention as attention_module
+
+    torch.manual_seed(0)
+    model = build_model({**BASE, "head_dim": 128, "architectures": [arch]}, TensorParallel.single(), "triton")
+    load_dummy_weights(model, 0)
+    with torch.no_grad():
+        for i, layer in enumerate(model.decoder_layers()):
+            if hasattr(layer.self_attn, "q_norm"):
+                gen = torch.Generator().manual_seed(i)
+                layer.self_attn.q_norm.weight.copy_(torch.rand(128, generator=gen) + 0.5)
+                layer.self_attn.k_norm.weight.copy_(2 * torch.rand(128, generator=gen) + 0.1)
+    store_calls = []
+    store_kernel = fused_module.qk_norm_rope_store
+    monkeypatch.setattr(fused_module, "qk_norm_rope_store", lambda *a, **k: store_calls.append(1) or store_kernel(*a, **k))
+    layers = len(model.decoder_layers())
+    runs = {}
+    for prepare in (True, False):
+        kernel = _CudaDecodeOnTorch(prepare)
+        monkeypatch.setattr(attention_module, "_cuda16", kernel)
+        store_calls.clear()
+        runs[prepare] = run_paged(model, PROMPTS, num_steps=3, forced_tokens=runs[True].generated if runs else None)
+        assert len(kernel.prologues) == layers * 3  # every decode step's layers through the kernel
+        if prepare:
+            # the store kernel: once per layer at prefill and, inside the stand-in, once per decode layer
+            assert len(store_calls) == layers * (1 + 3)
+            norms = [(p.q_weight, p.k_weight) for p in kernel.prologues[:layers]]
+            if arch == "Qwen3ForCausalLM":
+                for (q_weight, k_weight), layer in zip(norms, model.decoder_layers()):
+                    assert q_weight is layer.self_attn.q_norm.weight and k_weight is layer.self_attn.k_norm.weight
+            else:
+                assert all(q is None and k is None for q, k in norms)
+        else:
+            assert all(p is None for p in kernel.prologues) and len(store_calls) == layers * (1 + 3)
+    for got, want in zip(runs[True].decode_logits, runs[False].decode_logits):
+        assert torch.equal(got, want)
