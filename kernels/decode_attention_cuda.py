@@ -661,7 +661,8 @@ class DecodePrologue:
             return False
         rows = (self.k, self.v, self.cos, self.sin)
         weights = () if self.q_weight is None else (self.q_weight, self.k_weight)
-        return (all(x.dtype == query.dtype and x.device == query.device and x.data_ptr() % 4 == 0 for x in rows + weights)
+        return (all(x.dtype == query.dtype and x.device == query.device and x.data_ptr() % 4 == 0
+                    for x in rows + weights)
                 and self.k.shape == self.v.shape and self.k.shape[0] == num_seqs and self.k.shape[2] == HEAD_DIM
                 and self.k.stride()[1:] == (HEAD_DIM, 1) and self.v.stride()[1:] == (HEAD_DIM, 1)
                 and self.k.stride(0) % 2 == 0 and self.v.stride(0) % 2 == 0

@@ -135,7 +135,8 @@ def test_decode_steps_hand_the_cuda_kernel_the_raw_projection_rows(monkeypatch, 
                 layer.self_attn.k_norm.weight.copy_(2 * torch.rand(128, generator=gen) + 0.1)
     store_calls = []
     store_kernel = fused_module.qk_norm_rope_store
-    monkeypatch.setattr(fused_module, "qk_norm_rope_store", lambda *a, **k: store_calls.append(1) or store_kernel(*a, **k))
+    monkeypatch.setattr(fused_module, "qk_norm_rope_store",
+                        lambda *a, **k: store_calls.append(1) or store_kernel(*a, **k))
     layers = len(model.decoder_layers())
     runs = {}
     for prepare in (True, False):
