@@ -201,7 +201,8 @@ def test_cuda_decode_under_pdl_streams_old_keys_early_and_waits_for_the_new_row(
 def _prologue_case(lengths, hq, hkv, block_size, norm, dtype=torch.bfloat16, seed=1):
     """A decode step as the model hands it over: the qkv projection's rows (q/k/v views of one [B, (hq + 2 hkv) D]
     tensor), the rotary tables of each row's position, norm weights, and slots at each sequence's last position
-    (NaN there beforehand; the last row's slot -1 with a finite row already in the cache)."""
+    (which holds an older random row there: a path that skips the store, or attends that row, differs; the last
+    row's slot -1 with a known finite row already in the cache)."""
     from spmd_engine.kernels.decode_attention_cuda import DecodePrologue
 
     _, k_cache, v_cache, seq_lens, tables = _inputs(lengths, hq, hkv, block_size, dtype, seed)
@@ -283,8 +284,8 @@ def test_cuda_decode_prologue_float16_and_refusals():
 
 def test_cuda_decode_prologue_under_pdl_reads_the_projection_only_after_its_producer():
     """Under PDL, in a captured graph, after a producer that lets it launch at once and writes the qkv rows
-    late: the prologue reads q/k/v only after `griddepcontrol.wait`, and the new K/V it stores before the
-    tiles that hold them are copied (the cache's last rows NaN before every replay)."""
+    late: the prologue reads q/k/v only after `griddepcontrol.wait`, and attends the new K/V it made (written
+    over its tile in shared memory), never the cache's row before its own store (NaN before every replay)."""
     import triton
     import triton.language as tl
 
