@@ -317,7 +317,7 @@ __device__ __forceinline__ void write_output(const float (&acc)[D / 16][4], floa
 # qk_norm_rope_store launch before it. Every rounding of that kernel is kept (the norm rounded to the model
 # dtype before its weight, the weighted row rounded, rotary in float32 rounded once); the norm's float32 sum
 # runs in this warp's own order, so a q/k element may differ from the store kernel's in its last bit.
-QK_PROLOGUE = r"""
+QK_COMMON = r"""
 #if IS_BF16
 __device__ __forceinline__ float lo_f(u32 x) { return __uint_as_float(x << 16); }
 __device__ __forceinline__ float hi_f(u32 x) { return __uint_as_float(x & 0xffff0000u); }
@@ -349,6 +349,47 @@ __device__ __forceinline__ void norm_values(float (&x)[N], const float (&w)[N], 
   for (int i = 0; i < N; ++i) x[i] = round_model(round_model(x[i] * inv) * w[i]);
 }
 
+/* The new token's K/V inputs for one KV head as a lane's raw pairs (K dims 2l, 2l + 1 and their rotary
+   partners D/2 + 2l, +1; V dims 4l .. 4l + 3) and the row's slot. */
+struct NewKv {
+  u32 k[2], v[2], w[2], c, s;
+  long long slot;
+};
+__device__ __forceinline__ void load_new_kv(NewKv& in, const u16* k_row, const u16* v_row, const u16* weight,
+                                            const u16* cos_row, const u16* sin_row, const long long* slot, int lane) {
+  in.slot = *slot;
+  in.v[0] = ld_u32(v_row + 4 * lane);
+  in.v[1] = ld_u32(v_row + 4 * lane + 2);
+  in.k[0] = ld_u32(k_row + 2 * lane);
+  in.k[1] = ld_u32(k_row + D / 2 + 2 * lane);
+#if HAS_NORM
+  in.w[0] = ld_u32(weight + 2 * lane);
+  in.w[1] = ld_u32(weight + D / 2 + 2 * lane);
+#endif
+  in.c = ld_u32(cos_row + 2 * lane);
+  in.s = ld_u32(sin_row + 2 * lane);
+}
+
+/* The lane's K values (dims 2l, 2l + 1, D/2 + 2l, D/2 + 2l + 1): (norm,) rotary in float32, before the one
+   rounding to the model dtype (the caller's: packed, or `round_model`) */
+__device__ __forceinline__ void rotated_new_k(float (&k)[4], const NewKv& in, float eps) {
+  float x[4] = {lo_f(in.k[0]), hi_f(in.k[0]), lo_f(in.k[1]), hi_f(in.k[1])};
+#if HAS_NORM
+  {
+    const float w[4] = {lo_f(in.w[0]), hi_f(in.w[0]), lo_f(in.w[1]), hi_f(in.w[1])};
+    norm_values(x, w, eps, 32);
+  }
+#endif
+  const float c0 = lo_f(in.c), c1 = hi_f(in.c), s0 = lo_f(in.s), s1 = hi_f(in.s);
+  k[0] = x[0] * c0 - x[2] * s0;
+  k[1] = x[1] * c1 - x[3] * s1;
+  k[2] = x[2] * c0 + x[0] * s0;
+  k[3] = x[3] * c1 + x[1] * s1;
+}
+"""
+
+# The bf16/fp16 kernel's own part: q in its MMA fragment order, the new row in its tile layout.
+QK_PROLOGUE = QK_COMMON + r"""
 /* A lane's q inputs (query head g of the group; k-step ks: dims 16 ks + 2t, +1 and 16 ks + 8 + 2t, +1, the MMA's
    b0/b1 order) as raw pairs: the projection's q, the norm weights, and cos/sin of the first half's dims. Loaded
    together with `NewKv`'s before either is used: the prologue waits for memory once. */
@@ -408,41 +449,14 @@ __device__ __forceinline__ void rotated_q_fragments(u32 (&qb0)[D / 16], u32 (&qb
   }
 }
 
-/* The new token's K/V inputs for one KV head as a lane's raw pairs (K dims 2l, 2l + 1 and their rotary
-   partners D/2 + 2l, +1; V dims 4l .. 4l + 3) and the row's slot. */
-struct NewKv {
-  u32 k[2], v[2], w[2], c, s;
-  long long slot;
-};
-__device__ __forceinline__ void load_new_kv(NewKv& in, const u16* k_row, const u16* v_row, const u16* weight,
-                                            const u16* cos_row, const u16* sin_row, const long long* slot, int lane) {
-  in.slot = *slot;
-  in.v[0] = ld_u32(v_row + 4 * lane);
-  in.v[1] = ld_u32(v_row + 4 * lane + 2);
-  in.k[0] = ld_u32(k_row + 2 * lane);
-  in.k[1] = ld_u32(k_row + D / 2 + 2 * lane);
-#if HAS_NORM
-  in.w[0] = ld_u32(weight + 2 * lane);
-  in.w[1] = ld_u32(weight + D / 2 + 2 * lane);
-#endif
-  in.c = ld_u32(cos_row + 2 * lane);
-  in.s = ld_u32(sin_row + 2 * lane);
-}
-
 /* -> the lane's share of the K row (norm,) rotated and of the V row: 4 bytes at byte 4 lane and at D + 4 lane
    of the K row, 8 bytes at byte 8 lane of the V row; also stored at k_dst / v_dst (null: not stored) */
 __device__ __forceinline__ void new_kv_row(u32 (&kv)[4], const NewKv& in, float eps, unsigned char* k_dst,
                                            unsigned char* v_dst, int lane) {
-  float x[4] = {lo_f(in.k[0]), hi_f(in.k[0]), lo_f(in.k[1]), hi_f(in.k[1])};
-#if HAS_NORM
-  {
-    const float w[4] = {lo_f(in.w[0]), hi_f(in.w[0]), lo_f(in.w[1]), hi_f(in.w[1])};
-    norm_values(x, w, eps, 32);
-  }
-#endif
-  const float c0 = lo_f(in.c), c1 = hi_f(in.c), s0 = lo_f(in.s), s1 = hi_f(in.s);
-  kv[0] = pack_out(x[0] * c0 - x[2] * s0, x[1] * c1 - x[3] * s1);
-  kv[1] = pack_out(x[2] * c0 + x[0] * s0, x[3] * c1 + x[1] * s1);
+  float k[4];
+  rotated_new_k(k, in, eps);
+  kv[0] = pack_out(k[0], k[1]);
+  kv[1] = pack_out(k[2], k[3]);
   kv[2] = in.v[0];
   kv[3] = in.v[1];
   if (k_dst != nullptr) {
@@ -634,7 +648,8 @@ _ARG_TYPES = (
     ctypes.c_longlong, ctypes.c_int, ctypes.c_int, ctypes.c_int,
     *(ctypes.c_void_p,) * 7, ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int,  # the FUSED_QK inputs
 )
-_NO_PROLOGUE_ARGS = (0,) * 7 + (0.0, 0, 0, 0)
+PROLOGUE_ARG_TYPES = _ARG_TYPES[-11:]  # both CUDA decode kernels end their parameters with these
+NO_PROLOGUE_ARGS = (0,) * 7 + (0.0, 0, 0, 0)
 
 
 @dataclass(frozen=True)
@@ -787,4 +802,4 @@ def paged_decode_attention_cuda(
                      kind)
     return run_split_kernel("paged_decode_attention_cuda", kernel, query, k_cache, v_cache, seq_lens, block_tables,
                             scale, out, num_splits, decode_config(),
-                            tail_args=_NO_PROLOGUE_ARGS if prologue is None else prologue.args())
+                            tail_args=NO_PROLOGUE_ARGS if prologue is None else prologue.args())

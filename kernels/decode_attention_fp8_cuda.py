@@ -19,6 +19,10 @@ bits: the Triton kernel stays the reference the GPU tests compare this one again
 
 Shapes it takes (`supports`): head_dim 128, at most 8 query heads per KV head, block_size a power of
 two >= 4, a bf16/fp16 model; everything else runs the Triton kernel.
+
+On a decode step it prepares its own q and new K/V as the bf16 kernel does (`DecodePrologue`,
+decode_attention_cuda's module doc), quantizing the new row as kernels/kv_store.py does (x / scale, the
+nearest e4m3, saturating) and writing it into the K row and the V pair of positions.
 """
 from __future__ import annotations
 
@@ -78,18 +82,137 @@ __device__ __forceinline__ void e4m3x4_f16x2(u32 x, u32& lo, u32& hi) {
       : "=r"(lo), "=r"(hi) : "r"(x));
 }
 
-""" + cuda16.SHARED_DECODE + r"""
+#define IS_BF16 OUT_BF16
+""" + cuda16.SHARED_DECODE + cuda16.QK_COMMON + r"""
+/* FUSED_QK (`DecodePrologue`), this kernel's part: q in `load_q`'s order (dims 16 ks + 4t .. + 3 of k-step ks)
+   and the new row quantized as kernels/kv_store.py quantizes it (x / scale, IEEE division, rounded to the
+   nearest e4m3 with saturation at +-448), in the fp8 cache's layout (K rows; V pairs of positions). */
+struct QInputs8 {
+  u64 x[D / 16], w[D / 16], c[D / 32], s[D / 32];
+};
+__device__ __forceinline__ u64 ld_u64(const u16* p) { return *(const u64*)p; }
+__device__ __forceinline__ float quad_f(u64 q, int i) {
+  const u32 half = (u32)(q >> (32 * (i >> 1)));
+  return (i & 1) ? hi_f(half) : lo_f(half);
+}
+__device__ __forceinline__ void load_q_inputs8(QInputs8& in, const u16* row, bool live, const u16* weight,
+                                               const u16* cos_row, const u16* sin_row, int t) {
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) {
+    in.x[ks] = live ? ld_u64(row + 16 * ks + 4 * t) : 0ull;
+#if HAS_NORM
+    in.w[ks] = ld_u64(weight + 16 * ks + 4 * t);
+#endif
+  }
+#pragma unroll
+  for (int ks = 0; ks < D / 32; ++ks) {
+    in.c[ks] = ld_u64(cos_row + 16 * ks + 4 * t);
+    in.s[ks] = ld_u64(sin_row + 16 * ks + 4 * t);
+  }
+}
+
+/* -> qlo/qhi as `load_q` makes them from a rotated q: (norm,) rotary rounded to the model dtype, then float16 */
+__device__ __forceinline__ void rotated_q_f16(u32 (&qlo)[D / 16], u32 (&qhi)[D / 16], const QInputs8& in,
+                                              float eps) {
+  float x[D / 4];
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) x[4 * ks + i] = quad_f(in.x[ks], i);
+  }
+#if HAS_NORM
+  {
+    float w[D / 4];
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) w[4 * ks + i] = quad_f(in.w[ks], i);
+    }
+    norm_values(x, w, eps, 4);  /* a head's 128 dims are the 4 lanes of one g */
+  }
+#endif
+#pragma unroll
+  for (int ks = 0; ks < D / 32; ++ks) {
+    float o1[4], o2[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float c = quad_f(in.c[ks], i), s = quad_f(in.s[ks], i);
+      const float x1 = x[4 * ks + i], x2 = x[4 * (ks + D / 32) + i];
+      o1[i] = clamp_f16(round_model(x1 * c - x2 * s));
+      o2[i] = clamp_f16(round_model(x2 * c + x1 * s));
+    }
+    qlo[ks] = pack_f16x2(o1[0], o1[1]);
+    qhi[ks] = pack_f16x2(o1[2], o1[3]);
+    qlo[ks + D / 32] = pack_f16x2(o2[0], o2[1]);
+    qhi[ks + D / 32] = pack_f16x2(o2[2], o2[3]);
+  }
+}
+
+/* two floats -> two e4m3 bytes (lo in the low byte), nearest even, saturating at +-448 */
+__device__ __forceinline__ u32 e4m3x2(float lo, float hi) {
+  unsigned short r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+/* The lane's bytes of the new row: K dims 2l, 2l + 1 (k[0]) and D/2 + 2l, +1 (k[1]); V dims 4l .. 4l + 3 (v) */
+struct NewRow8 {
+  u32 k[2], v;
+};
+__device__ __forceinline__ void quantized_new_row(NewRow8& r, const NewKv& in, float eps, float k_scale,
+                                                  float v_scale) {
+  float k[4];
+  rotated_new_k(k, in, eps);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) k[i] = __fdiv_rn(round_model(k[i]), k_scale);
+  r.k[0] = e4m3x2(k[0], k[1]);
+  r.k[1] = e4m3x2(k[2], k[3]);
+  r.v = e4m3x2(__fdiv_rn(lo_f(in.v[0]), v_scale), __fdiv_rn(hi_f(in.v[0]), v_scale))
+        | (e4m3x2(__fdiv_rn(lo_f(in.v[1]), v_scale), __fdiv_rn(hi_f(in.v[1]), v_scale)) << 16);
+}
+
+/* ... stored at the slot: K row `k_row` (bytes), V pair row `v_pair` (bytes, the position's parity added) */
+__device__ __forceinline__ void store_new_row8(const NewRow8& r, unsigned char* k_row, unsigned char* v_pair,
+                                               int lane) {
+  *(unsigned short*)(k_row + 2 * lane) = (unsigned short)r.k[0];
+  *(unsigned short*)(k_row + D / 2 + 2 * lane) = (unsigned short)r.k[1];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) v_pair[2 * (4 * lane + i)] = (unsigned char)(r.v >> (8 * i));
+}
+
+/* ... and written over position `rr` of a landed tile: K row rr (chunk c at c ^ (rr & 7)), V pair row rr / 2
+   (chunk c at c ^ (pair & 7)), byte 2 d + (rr & 1) for dim d */
+__device__ __forceinline__ void put_new_row8(u32 ks, u32 vs, int rr, const NewRow8& r, int lane) {
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const u32 b = j * (D / 2) + 2 * lane;
+    const u32 a = ks + rr * 128 + (((b >> 4) ^ (u32)(rr & 7)) << 4) + (b & 15);
+    asm volatile("st.shared.u16 [%0], %1;" :: "r"(a), "h"((unsigned short)r.k[j]) : "memory");
+  }
+  const int pair = rr >> 1;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const u32 b = 2 * (4 * lane + i) + (rr & 1);
+    const u32 a = vs + pair * 256 + (((b >> 4) ^ (u32)(pair & 7)) << 4) + (b & 15);
+    asm volatile("st.shared.u8 [%0], %1;" :: "r"(a), "h"((unsigned short)((r.v >> (8 * i)) & 0xff)) : "memory");
+  }
+}
+
 /* One warp = one (sequence, KV head, split). The MMAs run transposed (S^T = K q^T, O^T = V^T P^T): keys
    and dims fill the MMA's 16 rows, the GROUP query heads its 8 columns, so no MMA row is padding and the
    accumulator is [128 dims x 8 heads] (32 registers a lane). */
 extern "C" __global__ void __launch_bounds__(32, 1) fp8_paged_decode(
-    const u16* __restrict__ query, const unsigned char* __restrict__ k_cache,
-    const unsigned char* __restrict__ v_cache, u16* __restrict__ out, float* __restrict__ partial_out,
+    const u16* __restrict__ query, unsigned char* __restrict__ k_cache,
+    unsigned char* __restrict__ v_cache, u16* __restrict__ out, float* __restrict__ partial_out,
     float* __restrict__ partial_lse, int* __restrict__ counters, const int* __restrict__ seq_lens,
     const int* __restrict__ block_tables,
     const float* __restrict__ k_scale, const float* __restrict__ v_scale, float scale_log2,
     int stride_q_seq, int stride_q_head, int stride_o_seq, int stride_o_head,
-    long long stride_block, int stride_table, int num_q_heads, int num_splits) {
+    long long stride_block, int stride_table, int num_q_heads, int num_splits,
+    /* FUSED_QK only (`DecodePrologue`): the projection's new k/v rows, rotary tables, norm weights, slots */
+    const u16* __restrict__ k_new, const u16* __restrict__ v_new, const u16* __restrict__ cos_table,
+    const u16* __restrict__ sin_table, const u16* __restrict__ q_weight, const u16* __restrict__ k_weight,
+    const long long* __restrict__ slot_mapping, float eps, int stride_k_seq, int stride_v_seq, int stride_cs_seq) {
   pdl_launch_dependents();
   extern __shared__ __align__(128) unsigned char smem[];
   const int lane = threadIdx.x, g = lane >> 2, t = lane & 3;
@@ -103,10 +226,41 @@ extern "C" __global__ void __launch_bounds__(32, 1) fp8_paged_decode(
   /* B fragments of q^T (column g = query head g of the group): k-slot (2t, 2t+1) of step ks is dim
      16 ks + 4t + (0, 1), slots (2t+8, 2t+9) dims + (2, 3), the order ldmatrix hands out K's bytes */
   u32 qlo[D / 16], qhi[D / 16];
+#if FUSED_QK
+  /* as in paged_decode16: the split holding the new token makes, stores and hands its tile that row */
+  const bool holds_new = end == seq_len && start < end;
+  NewRow8 new_row = {{0u, 0u}, 0u};
+  bool put_new = false;  /* set by `ready`, which runs before the first tile is attended */
+  const int fresh = 0x7fffffff;
+#else
+  const int fresh = seq_len - 1;  /* the predecessor stores this row: its tile is issued after `ready` */
+#endif
   auto ready = [&]() {  /* once the predecessor that writes q (and this step's K/V row) has completed */
     pdl_wait();
-    load_q(query + (long long)seq * stride_q_seq + (long long)(kv_head * GROUP + g) * stride_q_head, g < GROUP, t,
-           qlo, qhi);
+    const u16* row = query + (long long)seq * stride_q_seq + (long long)(kv_head * GROUP + g) * stride_q_head;
+#if FUSED_QK
+    const u16* cos_row = cos_table + (long long)seq * stride_cs_seq;
+    const u16* sin_row = sin_table + (long long)seq * stride_cs_seq;
+    QInputs8 q_in;
+    NewKv kv_in;
+    load_q_inputs8(q_in, row, g < GROUP, q_weight, cos_row, sin_row, t);
+    if (holds_new) {
+      load_new_kv(kv_in, k_new + (long long)seq * stride_k_seq + kv_head * D,
+                  v_new + (long long)seq * stride_v_seq + kv_head * D, k_weight, cos_row, sin_row,
+                  slot_mapping + seq, lane);
+      quantized_new_row(new_row, kv_in, eps, k_scale[kv_head], v_scale[kv_head]);
+      const long long slot = kv_in.slot;
+      if (slot >= 0) {  /* slot -1 (padding): stored nowhere, attended as the cache holds it, as before */
+        const long long block = (slot / BLOCK_SIZE) * stride_block, pos = slot % BLOCK_SIZE;
+        store_new_row8(new_row, k_cache + block + pos * STRIDE_POS + (long long)kv_head * D,
+                       v_cache + block + (pos & ~1ll) * STRIDE_POS + 2ll * kv_head * D + (pos & 1), lane);
+        put_new = true;
+      }
+    }
+    rotated_q_f16(qlo, qhi, q_in, eps);
+#else
+    load_q(row, g < GROUP, t, qlo, qhi);
+#endif
   };
 
   /* Loads: K row r = kr + 4 i (16-byte chunk kc), V pair row p = vr + 2 i (chunk vc), i < BN / 4; both
@@ -143,9 +297,15 @@ extern "C" __global__ void __launch_bounds__(32, 1) fp8_paged_decode(
   for (int j = 0; j < D / 16; ++j) { acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f; }
   float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;  /* heads 2t and 2t + 1 */
 
-  pipeline_tiles(start, end, seq_len - 1, issue, ready, [&](int tile, int stage) {
+  pipeline_tiles(start, end, fresh, issue, ready, [&](int tile, int stage) {
     const u32 ks = smem0 + stage * STAGE_BYTES, vs = ks + K_TILE;
     const bool tail = tile + BN > end;
+#if FUSED_QK
+    if (put_new && tile + BN >= seq_len) {  /* its bytes, not the pair partner's the block below zeroes */
+      put_new_row8(ks, vs, seq_len - 1 - tile, new_row, lane);
+      __syncwarp();
+    }
+#endif
     if (tail && (end & 1)) {
       /* the pair of the last position holds an unwritten partner byte (maybe an e4m3 NaN: 0 * NaN is NaN
          in the P V product even where p is 0): zero it, one dim per lane and step */
@@ -214,13 +374,17 @@ _ARG_TYPES = (
     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float,
     ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
     ctypes.c_longlong, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+    *cuda16.PROLOGUE_ARG_TYPES,
 )
+# Decode steps hand this kernel the qkv projection's raw rows too (`DecodePrologue`; not yet measured on a GPU)
+PREPARE_QK_IN_KERNEL = True
+DecodePrologue = cuda16.DecodePrologue
 
 
 @lru_cache(maxsize=None)
 def usable(device: torch.device) -> bool:
     """sm_89+ (the e4m3 converts) where NVRTC builds this kernel (`decode_attention_cuda.builds_on`)."""
-    return cuda16.builds_on(device, (8, 9), lambda index: _kernel(index, 1, 16, 1, True), "cuda_fp8_decode")
+    return cuda16.builds_on(device, (8, 9), lambda index: _kernel(index, 1, 16, 1, True, 2), "cuda_fp8_decode")
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -230,10 +394,13 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
 
 
 @lru_cache(maxsize=None)
-def _kernel(device_index: int, group: int, block_size: int, num_kv_heads: int, out_bf16: bool) -> cuda_rtc.CudaKernel:
+def _kernel(device_index: int, group: int, block_size: int, num_kv_heads: int, out_bf16: bool,
+            prologue: int = 0) -> cuda_rtc.CudaKernel:
+    """`prologue`: as decode_attention_cuda._kernel's (0 none, 1 rotary, 2 norm and rotary)."""
     major, minor = torch.cuda.get_device_capability(device_index)
     defines = {"GROUP": group, "BLOCK_SIZE": block_size, "STRIDE_POS": num_kv_heads * HEAD_DIM,
-               "OUT_BF16": int(out_bf16), "STAGES": STAGES, "BN": BLOCK_N}
+               "OUT_BF16": int(out_bf16), "STAGES": STAGES, "BN": BLOCK_N, "FUSED_QK": int(prologue > 0),
+               "HAS_NORM": int(prologue == 2)}
     cubin = cuda_rtc.nvrtc_compile(_SOURCE, "fp8_paged_decode", f"sm_{major}{minor}", defines)
     with torch.cuda.device(device_index):
         return cuda_rtc.load_kernel(cubin, "fp8_paged_decode", _ARG_TYPES, threads=32,
@@ -249,12 +416,21 @@ def paged_decode_attention_fp8(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
     block_tables: torch.Tensor, scale: float, out: torch.Tensor | None = None, *,
     k_scale: torch.Tensor, v_scale: torch.Tensor, num_splits: int | None = None,
+    prologue: cuda16.DecodePrologue | None = None,
 ) -> torch.Tensor:
-    """`decode_attention.paged_decode_attention` for the shapes `supports` accepts: same arguments and result."""
+    """`decode_attention.paged_decode_attention` for the shapes `supports` accepts: same arguments and result.
+    With `prologue`, as `decode_attention_cuda.paged_decode_attention_cuda`'s (the new K/V quantized as
+    kernels/kv_store.py does it)."""
     if not da.check_kv_scales("paged_decode_attention_fp8", k_cache, k_scale, v_scale):
         raise ValueError("paged_decode_attention_fp8: the cache must be float8_e4m3fn")
+    if prologue is not None and not prologue.fits(query):
+        raise ValueError("paged_decode_attention_fp8: the prologue's k/v/cos/sin/weights/slots do not fit "
+                         f"(DecodePrologue.fits) for query {tuple(query.shape)} {query.dtype}")
     num_q_heads, (block_size, num_kv_heads) = query.shape[1], k_cache.shape[1:3]
     index = query.device.index if query.device.index is not None else torch.cuda.current_device()
-    kernel = _kernel(index, num_q_heads // num_kv_heads, block_size, num_kv_heads, query.dtype == torch.bfloat16)
+    kind = 0 if prologue is None else 1 if prologue.q_weight is None else 2
+    kernel = _kernel(index, num_q_heads // num_kv_heads, block_size, num_kv_heads, query.dtype == torch.bfloat16,
+                     kind)
     return cuda16.run_split_kernel("paged_decode_attention_fp8", kernel, query, k_cache, v_cache, seq_lens,
-                                   block_tables, scale, out, num_splits, decode_config(), (k_scale, v_scale))
+                                   block_tables, scale, out, num_splits, decode_config(), (k_scale, v_scale),
+                                   cuda16.NO_PROLOGUE_ARGS if prologue is None else prologue.args())

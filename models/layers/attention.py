@@ -165,13 +165,13 @@ class Attention(nn.Module):
                 and can_fuse(q, k, v.view(num_tokens, self.num_kv_heads, self.head_dim), *cos_sin,
                              qk_norm is not None)):
             return None
-        if not fp8 and kernel.PREPARE_QK_IN_KERNEL:
+        if kernel.PREPARE_QK_IN_KERNEL:
             q_weight, k_weight, eps = qk_norm if qk_norm is not None else (None, None, 0.0)
             prologue = kernel.DecodePrologue(k, v.view(num_tokens, self.num_kv_heads, self.head_dim), *cos_sin,
                                              attn.slot_mapping, q_weight, k_weight, eps)
             if prologue.fits(heads):
                 out = attend(heads, self.k_cache, self.v_cache, attn.seq_lens, attn.block_tables, self.scale,
-                             prologue=prologue)
+                             prologue=prologue, **scales)
                 return out.view(num_tokens, self.num_heads * self.head_dim)
         rotated = self.rotate_and_store(q, k, v, cos_sin, attn, qk_norm).view(heads.shape)
         out = attend(rotated, self.k_cache, self.v_cache, attn.seq_lens, attn.block_tables, self.scale, **scales)

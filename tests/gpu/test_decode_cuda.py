@@ -198,14 +198,19 @@ def test_cuda_decode_under_pdl_streams_old_keys_early_and_waits_for_the_new_row(
             assert torch.equal(out, expected), f"splits={splits}"
 
 
-def _prologue_case(lengths, hq, hkv, block_size, norm, dtype=torch.bfloat16, seed=1):
+def _prologue_case(lengths, hq, hkv, block_size, norm, dtype=torch.bfloat16, seed=1, caches=None):
     """A decode step as the model hands it over: the qkv projection's rows (q/k/v views of one [B, (hq + 2 hkv) D]
     tensor), the rotary tables of each row's position, norm weights, and slots at each sequence's last position
     (which holds an older random row there: a path that skips the store, or attends that row, differs; the last
-    row's slot -1 with a known finite row already in the cache)."""
+    row's slot -1 with a known finite row already in the cache). `caches`: the (k_cache, v_cache) of `lengths`
+    with their `seq_lens` and `tables` (default: this file's bf16 `_inputs`; a caller's fp8 caches get no slot -1
+    row)."""
     from spmd_engine.kernels.decode_attention_cuda import DecodePrologue
 
-    _, k_cache, v_cache, seq_lens, tables = _inputs(lengths, hq, hkv, block_size, dtype, seed)
+    if caches is None:
+        k_cache, v_cache, seq_lens, tables = _inputs(lengths, hq, hkv, block_size, dtype, seed)[1:]
+    else:
+        k_cache, v_cache, seq_lens, tables = caches
     gen = torch.Generator(device="cuda").manual_seed(seed + 1)
     qkv = (torch.randn(len(lengths), (hq + 2 * hkv) * D, device="cuda", generator=gen) * 2).to(dtype)
     q, k, v = qkv.split([hq * D, hkv * D, hkv * D], dim=1)
@@ -217,10 +222,11 @@ def _prologue_case(lengths, hq, hkv, block_size, norm, dtype=torch.bfloat16, see
         else [None, None]
     slots = torch.tensor([int(tables[b, (n - 1) // block_size]) * block_size + (n - 1) % block_size
                           for b, n in enumerate(lengths)], device="cuda")
-    last = int(slots[-1])
-    k_cache.view(-1, hkv, D)[last] = 0.5
-    v_cache.view(-1, hkv, D)[last] = -0.25
-    slots[-1] = -1
+    if caches is None:
+        last = int(slots[-1])
+        k_cache.view(-1, hkv, D)[last] = 0.5
+        v_cache.view(-1, hkv, D)[last] = -0.25
+        slots[-1] = -1
     prologue = DecodePrologue(k.view(-1, hkv, D), v.view(-1, hkv, D), cos, sin, slots, *weights, eps=1e-6)
     return q.view(-1, hq, D), k_cache, v_cache, seq_lens, tables, prologue
 

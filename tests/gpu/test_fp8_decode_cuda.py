@@ -102,3 +102,40 @@ def test_fp8_cuda_decode_refuses_what_it_does_not_take():
     assert not fp8_cuda.supports(query.float(), k, v)  # a float32 model
     q16 = torch.randn(1, 32, D, device="cuda", dtype=torch.bfloat16)
     assert not fp8_cuda.supports(q16, k[:, :, :2].contiguous(), v[:, :, :2].contiguous())  # 16 query heads a KV head
+
+
+@pytest.mark.parametrize("hq,hkv", [(16, 8), (14, 2)])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("norm", [True, False])
+def test_fp8_cuda_decode_prepares_its_own_q_and_new_kv_as_the_store_kernel_does(hq, hkv, block_size, norm):
+    """With a `DecodePrologue` the fp8 kernel norms and rotates q and makes, quantizes and stores the new K/V
+    itself: the cache as qk_norm_rope_store leaves it (V bytes equal; a K byte at most one e4m3 step away, the
+    norm's sum running in another order) and the output of the two launches, for every split count. The cache
+    holds e4m3 NaN at every new row beforehand (an even and an odd last position among the lengths)."""
+    from spmd_engine.kernels.qk_norm_rope_store import qk_norm_rope_store
+    from tests.gpu.test_decode_cuda import _prologue_case
+
+    fp8_cuda = _fp8_cuda()
+    _, k_cache, v_cache, seq_lens, tables, k_scale, v_scale = _inputs(LENGTHS, hq, hkv, block_size)
+    query, k_cache, v_cache, seq_lens, tables, p = _prologue_case(LENGTHS, hq, hkv, block_size, norm,
+                                                                  caches=(k_cache, v_cache, seq_lens, tables))
+    k_bytes, v_bytes = k_cache.view(torch.uint8), v_pairs(v_cache).view(torch.uint8)
+    for b, n in enumerate(LENGTHS):  # NaN where each new row goes
+        blk, slot = int(tables[b, (n - 1) // block_size]), (n - 1) % block_size
+        k_bytes[blk, slot] = 0x7F
+        v_bytes[blk, slot // 2, :, :, slot % 2] = 0x7F
+    scales = {"k_scale": k_scale, "v_scale": v_scale}
+    for splits in (None, 1, 3, 8):
+        k_ref, v_ref = k_cache.clone(), v_cache.clone()
+        rotated = qk_norm_rope_store(query, p.k, p.v, p.cos, p.sin, k_ref, v_ref, p.slot_mapping, p.q_weight,
+                                     p.k_weight, p.eps, k_scale, v_scale)
+        expected = fp8_cuda.paged_decode_attention_fp8(rotated, k_ref, v_ref, seq_lens, tables, 0.088,
+                                                       num_splits=splits, **scales)
+        k_got, v_got = k_cache.clone(), v_cache.clone()
+        out = fp8_cuda.paged_decode_attention_fp8(query, k_got, v_got, seq_lens, tables, 0.088, num_splits=splits,
+                                                  prologue=p, **scales)
+        assert torch.isfinite(out).all(), splits
+        assert torch.equal(v_got.view(torch.uint8), v_ref.view(torch.uint8)), splits
+        k_step = (k_got.view(torch.uint8).int() - k_ref.view(torch.uint8).int()).abs()
+        assert int(k_step.max()) <= 1 and int((k_step > 0).sum()) <= k_step.numel() // 1000, splits
+        assert _rel(out, expected) < 2e-3, (splits, _rel(out, expected))
