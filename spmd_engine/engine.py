@@ -16,7 +16,7 @@ import gc
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -420,8 +420,9 @@ class _Generation:
         """One turn of the loop: collect the step sampled last, plan the next one and send it, stage its
         inputs, sample the step in flight (its tokens are the new plan's deferred inputs), launch.
         False once nothing is left to run."""
+        clock = loop.clock
+        clock.lap("postprocess")  # the previous turn's bookkeeping (counting it, the loop) since its last lap
         self.llm.step_progress.step(self.step)
-        clock = PhaseClock()
         tokens = loop.sampled.host_tokens() if loop.sampled is not None else None  # waits for the GPU
         clock.lap("wait")
         if loop.sampled is not None:
@@ -654,11 +655,12 @@ class _InFlight:
     sampled: _Sampled | None = None  # tokens sampled on the device, not yet on the host
     steps: int = 0
     decode_steps: int = 0
+    clock: PhaseClock = field(default_factory=PhaseClock)  # runs for the whole loop (PhaseClock.take)
 
     def count(self, plan: StepPlan, launch_kind: str, clock: PhaseClock) -> None:
         """Count a launched step and record its host phases and how it ran (decode graph, piecewise, eager)."""
         self.timer.add(plan.num_seqs, plan.num_tokens, plan.is_decode, num_decode_seqs=int((plan.query_lens == 1).sum()),
-                       launch=launch_kind, **clock.seconds)
+                       launch=launch_kind, **clock.take())
         self.steps += 1
         self.decode_steps += int(plan.is_decode)
 

@@ -18,9 +18,11 @@ LAUNCHES = ("decode_graph", "piecewise_graph", "eager")  # how a step's forward 
 
 
 class PhaseClock:
-    """One step's host phases as laps of one clock, so no gap between two phases goes uncounted:
+    """The step loop's host phases as laps of one clock, so no gap between two phases goes uncounted:
     `lap(phase)` charges the time since the previous lap (or the start) to `phase`; a phase may lap
-    more than once (the sum is kept)."""
+    more than once (the sum is kept). `take()` hands a counted step its phases and starts the next
+    step's from zero without stopping the clock: the time between two steps, and a turn of the loop
+    that launched nothing, go to the next counted step, so the counted steps tile the loop's wall time."""
 
     def __init__(self) -> None:
         self.seconds = dict.fromkeys(PHASES, 0.0)
@@ -30,6 +32,11 @@ class PhaseClock:
         now = time.perf_counter()
         self.seconds[phase] += now - self._last
         self._last = now
+
+    def take(self) -> dict[str, float]:
+        """The phases since the previous take (or the start); the clock keeps running from its last lap."""
+        seconds, self.seconds = self.seconds, dict.fromkeys(PHASES, 0.0)
+        return seconds
 
 
 @dataclass

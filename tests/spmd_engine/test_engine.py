@@ -256,6 +256,20 @@ def test_unseeded_requests_draw_by_engine_seed_and_request_index(tiny):
     assert tokens(make_llm(path, seed=4).generate(some)) != [full[1].token_ids, full[3].token_ids]
 
 
+def test_the_step_timing_counts_the_time_between_steps(tiny, monkeypatch):
+    """Every turn of the loop starts by marking step progress, before the step's first phase: 20 ms there
+    per turn must show in the steps' reported time (a per-step clock left it, and the counting, out)."""
+    import time
+
+    llm = make_llm(tiny[0])
+    mark = llm.step_progress.step
+    monkeypatch.setattr(llm.step_progress, "step", lambda step: (time.sleep(0.02), mark(step)))
+    generate(llm, PROMPTS[:1], max_tokens=4)
+    timing = llm.last_run["step_timing"]
+    assert timing["steps"] == 4
+    assert timing["all"]["step_ms"] >= 20.0
+
+
 def test_a_run_that_failed_half_way_leaves_the_next_one_a_clean_pool(tiny):
     path, expected = tiny
     llm = make_llm(path, block_size=4)

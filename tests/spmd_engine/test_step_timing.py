@@ -73,6 +73,21 @@ def test_a_phase_clock_charges_every_gap_to_the_next_lap_and_sums_repeated_phase
     assert timer.summary()["all"]["step_ms"] == pytest.approx(3250.0)
 
 
+def test_take_hands_a_step_its_phases_and_the_next_step_the_time_since(monkeypatch):
+    ticks = iter([0.0, 1.0, 3.0, 3.5, 4.0, 4.25, 7.0])
+    monkeypatch.setattr(step_timing.time, "perf_counter", lambda: next(ticks))
+    clock = PhaseClock()  # starts at 0.0
+    clock.lap("wait")
+    clock.lap("forward")
+    assert clock.take() == phases(wait=1.0, forward=2.0)
+    clock.lap("postprocess")  # 3.0 -> 3.5: the gap after the take, charged to the next step
+    clock.lap("wait")  # a turn that launched nothing: not taken, so the next take holds it
+    clock.lap("postprocess")
+    clock.lap("forward")
+    assert clock.take() == phases(postprocess=0.75, wait=0.5, forward=2.75)
+    assert clock.take() == phases()
+
+
 def test_mixed_and_pure_prefill_steps_apart_with_their_launch_kinds():
     timer = StepTimer()
     timer.add(200, 1000, False, num_decode_seqs=190, launch="piecewise_graph", **phases(forward=0.006))
