@@ -453,7 +453,7 @@ class _Generation:
         if not self.llm.cfg.async_scheduling:
             self._sample_in_flight(loop)
         clock.lap("sample")
-        loop.count(plan, staged.launch_kind, clock)
+        loop.count(plan, staged.launch_kind)
         self.step += 1
         return True
 
@@ -657,10 +657,10 @@ class _InFlight:
     decode_steps: int = 0
     clock: PhaseClock = field(default_factory=PhaseClock)  # runs for the whole loop (PhaseClock.take)
 
-    def count(self, plan: StepPlan, launch_kind: str, clock: PhaseClock) -> None:
+    def count(self, plan: StepPlan, launch_kind: str) -> None:
         """Count a launched step and record its host phases and how it ran (decode graph, piecewise, eager)."""
         self.timer.add(plan.num_seqs, plan.num_tokens, plan.is_decode, num_decode_seqs=int((plan.query_lens == 1).sum()),
-                       launch=launch_kind, **clock.take())
+                       launch=launch_kind, **self.clock.take())
         self.steps += 1
         self.decode_steps += int(plan.is_decode)
 
