@@ -2,8 +2,8 @@
 
 On the Triton path the store is fused with the q/k norm and rotary before it (`rotate_and_store`), and on
 a decode step all of it runs inside the decode attention launch (`rotate_store_attend`); decode steps
-attend with a CUDA kernel instead where one applies (`fp8_decode_cuda` for an fp8 cache, after the store
-kernel; `decode_cuda` for a bf16/fp16 one, which does the norm, rotary and store itself).
+attend with a CUDA kernel instead where one applies (`fp8_decode_cuda` for an fp8 cache, `decode_cuda` for a
+bf16/fp16 one), which does the norm, rotary and store itself.
 
 The layer owns no weights; it is the one place that knows the attention backends. Heads here are
 this rank's heads. The engine binds `k_cache`/`v_cache` ([num_blocks, block_size, num_kv_heads,
@@ -144,7 +144,7 @@ class Attention(nn.Module):
         """A decode step through a CUDA kernel (fp8 cache: kernels/decode_attention_fp8_cuda.py, 1.16x the
         engine's fp8 throughput over the Triton kernel; bf16/fp16 cache: kernels/decode_attention_cuda.py;
         docs/BENCHMARKS.md sessions 16-17): norm, rotary and the K/V store in one Triton launch, then
-        attention -> [T, Hq*D]; a bf16/fp16 cache's kernel does the norm, rotary and store itself where its
+        attention -> [T, Hq*D]; either kernel does the norm, rotary and store itself where its
         `DecodePrologue` fits (`PREPARE_QK_IN_KERNEL`, one launch a layer fewer). None, having done nothing,
         where the kernel or the fused store does not take these shapes (the caller takes the Triton path)."""
         global _fp8_cuda, _cuda16
