@@ -189,11 +189,16 @@ def plan_paged_attention(
     prefill_config: PrefillConfig | None = None,
     fuse: bool | None = None,  # None: ONE_LAUNCH
     share_partials: bool = True,
+    decode_rows_elsewhere: bool = False,
 ) -> PagedAttentionPlan:
     """Validate one layer's tensors and plan the step's launches: the decode rows exactly as
     `paged_decode_attention(query[:num_decode], ...)` (same split count and config), the prompt chunks
     exactly as `paged_prefill_attention` over the rest; one launch for both when `fuse` (and the two
     configs share num_warps), else the two kernels back to back.
+
+    `decode_rows_elsewhere`: the caller attends the first `num_decode` rows itself (a mixed step's decode rows
+    on a CUDA decode kernel, models/layers/attention.py): the plan launches the prefill kernel over the prompt
+    chunks only (nothing where the step has none).
 
     `share_partials`: allocate the split partials once for every layer. Not for a step that may run
     inside a CUDA-graph capture after warm-up runs over the same metadata (the decode graphs): the
@@ -221,7 +226,11 @@ def plan_paged_attention(
     pcfg = prefill_config or default_prefill_config(head_dim, query.device)
 
     num_splits, decode_meta, merge, counters = 1, None, None, None
-    if num_decode:
+    if decode_rows_elsewhere:
+        num_decode_launched, fuse = 0, False
+    else:
+        num_decode_launched = num_decode
+    if num_decode_launched:
         num_splits = split_count("paged_attention_plan", None, num_decode, k_cache, block_tables, dcfg)
         decode_meta = dict(BLOCK_H=decode_block_h(group), NUM_SPLITS=num_splits)
         if num_splits > 1:
@@ -230,7 +239,7 @@ def plan_paged_attention(
                 num_warps=1 if head_dim <= 64 else 2, **pdl_launch(query.device)))
     prefill_grid = (math.ceil(max_query_len / pcfg.block_m), num_q_heads, num_prefill) if has_prefill else None
     mixed = decode = prefill = None
-    if num_decode and has_prefill and fuse and dcfg.num_warps == pcfg.num_warps:
+    if num_decode_launched and has_prefill and fuse and dcfg.num_warps == pcfg.num_warps:
         num_q_tiles = prefill_grid[0]
         prefill_programs = num_q_tiles * num_q_heads * num_prefill
         grid = (prefill_programs + num_decode * num_kv_heads * num_splits,)
@@ -243,14 +252,14 @@ def plan_paged_attention(
             # the prompt chunks carry the step's compute: their pipelining (registers are the larger body's)
             num_warps=pcfg.num_warps, num_stages=pcfg.num_stages))
     else:
-        if num_decode and has_prefill:
+        if num_decode_launched and has_prefill:
             # a mixed step in two launches: the split count is a runtime int and the splits merge themselves
             # (`_decode_any_splits_kernel`: one compiled kernel whatever the step's decode rows)
             counters, merge = merge_counters(query.device, num_decode * num_kv_heads), None
             decode = ((num_splits, num_kv_heads, num_decode), (num_q_heads, num_splits), dict(
                 **common, BLOCK_H=decode_meta["BLOCK_H"], BLOCK_N=dcfg.block_n,
                 num_warps=dcfg.num_warps, num_stages=dcfg.num_stages))
-        elif num_decode:
+        elif num_decode_launched:
             # a decode-only step's splits merge themselves (the last arrival per (sequence, KV head); no launch)
             fused_merge = merge is not None and decode_attention.DECODE_FUSED_MERGE
             if fused_merge:

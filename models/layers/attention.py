@@ -14,6 +14,8 @@ fp8 * scale by every backend.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,6 +28,11 @@ _mixed_attention = None  # spmd_engine.kernels.mixed_attention once the Triton p
 _rotary_decode = None  # spmd_engine.kernels.decode_rotary_attention, the same way
 _fp8_cuda = None  # spmd_engine.kernels.decode_attention_fp8_cuda, the same way
 _cuda16 = None  # spmd_engine.kernels.decode_attention_cuda, the same way
+# A mixed prefill+decode step's decode rows attend with the cache's CUDA decode kernel (where it takes the
+# shapes and its engine key is on), the prompt chunks with the Triton prefill kernel: two launches in place of
+# the Triton mixed kernel, whose decode programs run at an estimated ~3 TB/s (the CUDA kernel: the copy rate)
+# (docs/BENCHMARKS.md, session 20: 205 us a layer for ~104 us of prompt tiles).
+MIXED_DECODE_ON_CUDA = True
 
 
 def set_fp8_decode_cuda(model: nn.Module, enabled: bool) -> None:
@@ -212,13 +219,43 @@ class Attention(nn.Module):
             q = q.contiguous()
         key = plan_key(q, self.k_cache, out, self.k_scale is not None)
         plan = attn.launch_plans.get(key)
+        decode_rows = self._mixed_decode_rows_on_cuda(q, attn)
         if plan is None:
             plan = attn.launch_plans[key] = plan_paged_attention(
                 q, self.k_cache, self.v_cache, out, attn.cu_seqlens_q, attn.seq_lens, attn.block_tables,
                 attn.num_decode_rows, attn.max_query_len, k_scale=self.k_scale, v_scale=self.v_scale,
                 # a decode step may be a CUDA-graph capture after warm-up runs over the same metadata
-                share_partials=not attn.is_decode)
+                share_partials=not attn.is_decode, decode_rows_elsewhere=decode_rows is not None)
+        if decode_rows is not None:
+            n = attn.num_decode_rows
+            decode_rows(q[:n], self.k_cache, self.v_cache, attn.seq_lens[:n], attn.block_tables[:n], self.scale,
+                        out[:n])
         return plan.launch(q, self.k_cache, self.v_cache, out, self.scale, self.k_scale, self.v_scale)
+
+    def _mixed_decode_rows_on_cuda(self, q: torch.Tensor, attn: AttentionMetadata):
+        """A mixed step's decode rows (their K/V already stored) through this cache's CUDA decode kernel, as a
+        decode step's are, rather than inside the Triton mixed kernel (`MIXED_DECODE_ON_CUDA`): the attend
+        function (query, k_cache, v_cache, seq_lens, block_tables, scale, out), or None (the Triton plan
+        takes them). Depends on the layer, the cache and the step's shape only, alike in every layer."""
+        global _fp8_cuda, _cuda16
+        n = attn.num_decode_rows
+        if not MIXED_DECODE_ON_CUDA or attn.is_decode or not n or n >= attn.num_seqs or self.k_cache is None:
+            return None
+        if self.k_cache.dtype == torch.float8_e4m3fn:
+            if not self.fp8_decode_cuda:
+                return None
+            if _fp8_cuda is None:
+                from spmd_engine.kernels import decode_attention_fp8_cuda as _fp8_cuda
+            kernel = _fp8_cuda
+            attend = functools.partial(_fp8_cuda.paged_decode_attention_fp8, k_scale=self.k_scale,
+                                       v_scale=self.v_scale)
+        else:
+            if not self.decode_cuda:
+                return None
+            if _cuda16 is None:
+                from spmd_engine.kernels import decode_attention_cuda as _cuda16
+            kernel, attend = _cuda16, _cuda16.paged_decode_attention_cuda
+        return attend if kernel.supports(q[:n], self.k_cache, self.v_cache) else None
 
     def _attend_new_tokens_only(self, q, k, v, attn: AttentionMetadata) -> torch.Tensor:
         """Causal attention of each sequence over its own new tokens (no cache bound yet)."""

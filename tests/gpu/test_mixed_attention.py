@@ -158,3 +158,37 @@ def test_engine_start_compiles_every_attention_kernel_its_steps_launch(tmp_path)
         assert variants() == at_start
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("num_decode,context,prompts,block_size,fp8", [
+    (250, 600, [(390, 390), (390, 1500)], 16, False),
+    (200, 600, [(1024, 1024)], 16, True),
+    (8, 2048, [(512, 512)], 16, False),
+    (3, 4000, [(77, 2000), (1, 300)], 16, True),
+])
+def test_decode_rows_on_the_cuda_kernel_and_the_prompt_chunks_planned_alone(num_decode, context, prompts, block_size,
+                                                                           fp8):
+    """`decode_rows_elsewhere`, as models/layers/attention.py runs a mixed step under `MIXED_DECODE_ON_CUDA`: the
+    plan launches the prefill kernel over the prompt chunks only (their rows bit for bit the two-kernel path's,
+    the decode rows untouched) and the cache's CUDA decode kernel takes the decode rows (close to the Triton
+    decode kernel's: another summation order)."""
+    from spmd_engine.kernels import decode_attention_cuda, decode_attention_fp8_cuda
+
+    batch = mixed_batch(num_decode, context, prompts, block_size, fp8=fp8)
+    module = decode_attention_fp8_cuda if fp8 else decode_attention_cuda
+    n = num_decode
+    if not module.supports(batch.query[:n], batch.k_cache, batch.v_cache):
+        pytest.skip("the CUDA decode kernel does not take this machine or shape")
+    scales = {"k_scale": batch.k_scale, "v_scale": batch.v_scale}
+    expected = two_kernel_path(batch, n)
+    out = torch.full_like(batch.query, float("nan"))
+    plan = plan_paged_attention(batch.query, batch.k_cache, batch.v_cache, out, batch.cu_seqlens_q, batch.seq_lens,
+                                batch.block_tables, n, batch.max_query_len, decode_rows_elsewhere=True, **scales)
+    assert plan.mixed is None and plan.decode is None and plan.merge is None and plan.prefill is not None
+    plan.launch(batch.query, batch.k_cache, batch.v_cache, out, batch.scale, batch.k_scale, batch.v_scale)
+    assert torch.isnan(out[:n]).all()  # the decode rows are the caller's
+    assert torch.equal(out[n:], expected[n:])
+    attend = module.paged_decode_attention_fp8 if fp8 else module.paged_decode_attention_cuda
+    attend(batch.query[:n], batch.k_cache, batch.v_cache, batch.seq_lens[:n], batch.block_tables[:n], batch.scale,
+           out[:n], **(scales if fp8 else {}))
+    torch.testing.assert_close(out[:n].float(), expected[:n].float(), rtol=2e-2, atol=2e-2)

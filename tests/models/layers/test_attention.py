@@ -143,6 +143,79 @@ def test_mixed_step_is_planned_once_and_launched_once_per_layer(monkeypatch, one
     assert launches == (layer_launches + ["_decode_split_kernel", "_paged_prefill_kernel"]) * 3
 
 
+class _CudaDecodeStandIn:
+    """Stands in for kernels/decode_attention_cuda on CPU: takes every shape and attends with the Triton decode
+    kernel; records what each call was handed."""
+
+    PREPARE_QK_IN_KERNEL = False
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    @staticmethod
+    def supports(query, k_cache, v_cache) -> bool:
+        return True
+
+    def paged_decode_attention_cuda(self, query, k_cache, v_cache, seq_lens, block_tables, scale, out=None, *,
+                                    num_splits=None, prologue=None):
+        from spmd_engine.kernels.decode_attention import paged_decode_attention
+
+        self.calls.append((query, seq_lens, block_tables, out))
+        return paged_decode_attention(query, k_cache, v_cache, seq_lens, block_tables, scale, out)
+
+
+@ON_CPU_ONLY
+@pytest.mark.parametrize("on_cuda", [True, False])
+def test_a_mixed_step_hands_its_decode_rows_to_the_cuda_decode_kernel(monkeypatch, on_cuda):
+    """With `MIXED_DECODE_ON_CUDA` a mixed step's decode rows go to the cache's CUDA decode kernel (here a
+    stand-in) and the prompt chunks to the Triton prefill kernel, in place of the mixed kernel: the same output
+    as the decode kernel + prefill kernel, every layer; off, the mixed kernel takes both. Decode steps keep
+    their own path."""
+    import spmd_engine.models.layers.attention as attention_module
+    from spmd_engine.kernels import mixed_attention
+    from spmd_engine.kernels.decode_attention import paged_decode_attention
+    from spmd_engine.kernels.prefill_attention import paged_prefill_attention
+
+    stand_in = _CudaDecodeStandIn()
+    monkeypatch.setattr(attention_module, "_cuda16", stand_in)
+    monkeypatch.setattr(attention_module, "MIXED_DECODE_ON_CUDA", on_cuda)
+    tables = torch.tensor([[7, 2, 0], [3, 10, 5], [1, 4, 6], [8, 9, 11]], dtype=torch.int32)
+    cached, step = [(0, 6), (0, 9), (0, 4), (0, 3)], [(6, 1), (9, 1), (4, 5), (3, 2)]
+    layers = [bound_layer("triton") for _ in range(2)]
+    for i, layer in enumerate(layers):
+        layer(*qkv(sum(n for _, n in cached), seed=30 + i), metadata(cached, tables))
+    launches = []
+    kernel_type = type(mixed_attention._mixed_paged_attention_kernel)
+    getitem = kernel_type.__getitem__
+    monkeypatch.setattr(kernel_type, "__getitem__", lambda k, grid: launches.append(k.fn.__name__) or getitem(k, grid))
+    attn = metadata(step, tables)
+    attn.num_decode_seqs = 2
+    for i, layer in enumerate(layers):
+        q, k, v = qkv(sum(n for _, n in step), seed=40 + i)
+        out = layer(q, k, v, attn)
+        qh = q.view(-1, HQ, D)
+        expected = torch.empty_like(qh)
+        paged_decode_attention(qh[:2], layer.k_cache, layer.v_cache, attn.seq_lens[:2], tables[:2], layer.scale,
+                               expected[:2])
+        paged_prefill_attention(qh, layer.k_cache, layer.v_cache, attn.cu_seqlens_q[2:].clone(),
+                                attn.seq_lens[2:].clone(), tables[2:], layer.scale, attn.max_query_len, expected)
+        torch.testing.assert_close(out, expected.view(out.shape), rtol=1e-6, atol=1e-6)
+    launches = [name for name in launches if "store" not in name]
+    if on_cuda:
+        assert len(stand_in.calls) == len(layers)
+        for query, seq_lens, block_tables, into in stand_in.calls:  # the first two rows, written in place
+            assert query.shape == (2, HQ, D) and into.shape == (2, HQ, D)
+            assert torch.equal(seq_lens, attn.seq_lens[:2]) and torch.equal(block_tables, tables[:2])
+        # the stand-in's decode launch, the prefill kernel; then the check's two
+        assert launches == ["_decode_split_kernel", "_paged_prefill_kernel"] * 2 * len(layers)
+    else:
+        assert not stand_in.calls
+        assert launches == ["_mixed_paged_attention_kernel", "_decode_split_kernel", "_paged_prefill_kernel"] * 2
+    decode_step = metadata([(7, 1), (10, 1)], tables[:2])
+    layers[0](*qkv(2, seed=50), decode_step)
+    assert len(stand_in.calls) == (len(layers) if on_cuda else 0)  # a decode step: not through this path
+
+
 def test_the_fp8_decode_switch_reaches_every_attention_layer():
     """Engine key cuda_fp8_decode: `set_fp8_decode_cuda` sets every layer's flag (on by default); on CPU the
     CUDA kernel never applies (it takes CUDA tensors only)."""
