@@ -100,6 +100,46 @@ def test_unknown_backend_is_a_value_error():
         Attention(HQ, HKV, D, 1.0, "flash")
 
 
+MIXED_TABLES = torch.tensor([[7, 2, 0], [3, 10, 5], [1, 4, 6], [8, 9, 11]], dtype=torch.int32)
+MIXED_STEP = [(6, 1), (9, 1), (4, 5), (3, 2)]  # two decodes, then two prompt chunks
+
+
+def mixed_step_layers(count: int, seed: int) -> tuple[list[Attention], AttentionMetadata]:
+    """`count` bound Triton layers holding four sequences' earlier K/V, and the metadata of MIXED_STEP."""
+    cached = [(0, 6), (0, 9), (0, 4), (0, 3)]
+    layers = [bound_layer("triton") for _ in range(count)]
+    for i, layer in enumerate(layers):
+        layer(*qkv(sum(n for _, n in cached), seed=seed + i), metadata(cached, MIXED_TABLES))
+    attn = metadata(MIXED_STEP, MIXED_TABLES)
+    attn.num_decode_seqs = 2
+    return layers, attn
+
+
+def two_kernel_attention(layer: Attention, q: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
+    """The decode kernel on MIXED_STEP's two decode rows, the prefill kernel on its prompt chunks."""
+    from spmd_engine.kernels.decode_attention import paged_decode_attention
+    from spmd_engine.kernels.prefill_attention import paged_prefill_attention
+
+    qh = q.view(-1, HQ, D)
+    expected = torch.empty_like(qh)
+    paged_decode_attention(qh[:2], layer.k_cache, layer.v_cache, attn.seq_lens[:2], MIXED_TABLES[:2], layer.scale,
+                           expected[:2])
+    paged_prefill_attention(qh, layer.k_cache, layer.v_cache, attn.cu_seqlens_q[2:].clone(), attn.seq_lens[2:].clone(),
+                            MIXED_TABLES[2:], layer.scale, attn.max_query_len, expected)
+    return expected.view(q.shape)
+
+
+def record_triton_launches(monkeypatch) -> list[str]:
+    """The names of the Triton kernels launched from now on, in order."""
+    from spmd_engine.kernels import mixed_attention
+
+    launches: list[str] = []
+    kernel_type = type(mixed_attention._mixed_paged_attention_kernel)
+    getitem = kernel_type.__getitem__
+    monkeypatch.setattr(kernel_type, "__getitem__", lambda k, grid: launches.append(k.fn.__name__) or getitem(k, grid))
+    return launches
+
+
 @ON_CPU_ONLY
 @pytest.mark.parametrize("one_launch", [True, False])
 def test_mixed_step_is_planned_once_and_launched_once_per_layer(monkeypatch, one_launch):
@@ -109,32 +149,14 @@ def test_mixed_step_is_planned_once_and_launched_once_per_layer(monkeypatch, one
     from spmd_engine.kernels import mixed_attention
 
     monkeypatch.setattr(mixed_attention, "ONE_LAUNCH", one_launch)
-    from spmd_engine.kernels.decode_attention import paged_decode_attention
-    from spmd_engine.kernels.prefill_attention import paged_prefill_attention
-
-    tables = torch.tensor([[7, 2, 0], [3, 10, 5], [1, 4, 6], [8, 9, 11]], dtype=torch.int32)
-    cached, step = [(0, 6), (0, 9), (0, 4), (0, 3)], [(6, 1), (9, 1), (4, 5), (3, 2)]
-    layers = [bound_layer("triton") for _ in range(3)]
-    for i, layer in enumerate(layers):
-        layer(*qkv(sum(n for _, n in cached), seed=10 + i), metadata(cached, tables))
-    plans, launches = [], []
+    layers, attn = mixed_step_layers(3, seed=10)
+    plans, launches = [], record_triton_launches(monkeypatch)
     build = mixed_attention.plan_paged_attention
     monkeypatch.setattr(mixed_attention, "plan_paged_attention", lambda *a, **k: plans.append(build(*a, **k)) or plans[-1])
-    kernel_type = type(mixed_attention._mixed_paged_attention_kernel)
-    getitem = kernel_type.__getitem__
-    monkeypatch.setattr(kernel_type, "__getitem__", lambda k, grid: launches.append(k.fn.__name__) or getitem(k, grid))
-    attn = metadata(step, tables)
-    attn.num_decode_seqs = 2
     for i, layer in enumerate(layers):
-        q, k, v = qkv(sum(n for _, n in step), seed=20 + i)
+        q, k, v = qkv(sum(n for _, n in MIXED_STEP), seed=20 + i)
         out = layer(q, k, v, attn)
-        qh = q.view(-1, HQ, D)
-        expected = torch.empty_like(qh)
-        paged_decode_attention(qh[:2], layer.k_cache, layer.v_cache, attn.seq_lens[:2], tables[:2], layer.scale,
-                               expected[:2])
-        paged_prefill_attention(qh, layer.k_cache, layer.v_cache, attn.cu_seqlens_q[2:].clone(),
-                                attn.seq_lens[2:].clone(), tables[2:], layer.scale, attn.max_query_len, expected)
-        assert torch.equal(out, expected.view(out.shape))
+        assert torch.equal(out, two_kernel_attention(layer, q, attn))
     assert len(plans) == 1
     # per layer: its one launch, then the two reference launches of the check
     launches = [name for name in launches if "store" not in name]  # the layer's KV store is one launch too
@@ -173,45 +195,28 @@ def test_a_mixed_step_hands_its_decode_rows_to_the_cuda_decode_kernel(monkeypatc
     their own path."""
     import spmd_engine.models.layers.attention as attention_module
     from spmd_engine.kernels import mixed_attention
-    from spmd_engine.kernels.decode_attention import paged_decode_attention
-    from spmd_engine.kernels.prefill_attention import paged_prefill_attention
 
     stand_in = _CudaDecodeStandIn()
     monkeypatch.setattr(attention_module, "_cuda16", stand_in)
     monkeypatch.setattr(attention_module, "MIXED_DECODE_ON_CUDA", on_cuda)
-    tables = torch.tensor([[7, 2, 0], [3, 10, 5], [1, 4, 6], [8, 9, 11]], dtype=torch.int32)
-    cached, step = [(0, 6), (0, 9), (0, 4), (0, 3)], [(6, 1), (9, 1), (4, 5), (3, 2)]
-    layers = [bound_layer("triton") for _ in range(2)]
+    layers, attn = mixed_step_layers(2, seed=30)
+    launches = record_triton_launches(monkeypatch)
     for i, layer in enumerate(layers):
-        layer(*qkv(sum(n for _, n in cached), seed=30 + i), metadata(cached, tables))
-    launches = []
-    kernel_type = type(mixed_attention._mixed_paged_attention_kernel)
-    getitem = kernel_type.__getitem__
-    monkeypatch.setattr(kernel_type, "__getitem__", lambda k, grid: launches.append(k.fn.__name__) or getitem(k, grid))
-    attn = metadata(step, tables)
-    attn.num_decode_seqs = 2
-    for i, layer in enumerate(layers):
-        q, k, v = qkv(sum(n for _, n in step), seed=40 + i)
+        q, k, v = qkv(sum(n for _, n in MIXED_STEP), seed=40 + i)
         out = layer(q, k, v, attn)
-        qh = q.view(-1, HQ, D)
-        expected = torch.empty_like(qh)
-        paged_decode_attention(qh[:2], layer.k_cache, layer.v_cache, attn.seq_lens[:2], tables[:2], layer.scale,
-                               expected[:2])
-        paged_prefill_attention(qh, layer.k_cache, layer.v_cache, attn.cu_seqlens_q[2:].clone(),
-                                attn.seq_lens[2:].clone(), tables[2:], layer.scale, attn.max_query_len, expected)
-        torch.testing.assert_close(out, expected.view(out.shape), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(out, two_kernel_attention(layer, q, attn), rtol=1e-6, atol=1e-6)
     launches = [name for name in launches if "store" not in name]
     if on_cuda:
         assert len(stand_in.calls) == len(layers)
         for query, seq_lens, block_tables, into in stand_in.calls:  # the first two rows, written in place
             assert query.shape == (2, HQ, D) and into.shape == (2, HQ, D)
-            assert torch.equal(seq_lens, attn.seq_lens[:2]) and torch.equal(block_tables, tables[:2])
+            assert torch.equal(seq_lens, attn.seq_lens[:2]) and torch.equal(block_tables, MIXED_TABLES[:2])
         # the stand-in's decode launch, the prefill kernel; then the check's two
         assert launches == ["_decode_split_kernel", "_paged_prefill_kernel"] * 2 * len(layers)
     else:
         assert not stand_in.calls
         assert launches == ["_mixed_paged_attention_kernel", "_decode_split_kernel", "_paged_prefill_kernel"] * 2
-    decode_step = metadata([(7, 1), (10, 1)], tables[:2])
+    decode_step = metadata([(7, 1), (10, 1)], MIXED_TABLES[:2])
     layers[0](*qkv(2, seed=50), decode_step)
     assert len(stand_in.calls) == (len(layers) if on_cuda else 0)  # a decode step: not through this path
 
