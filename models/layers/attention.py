@@ -30,8 +30,9 @@ _fp8_cuda = None  # spmd_engine.kernels.decode_attention_fp8_cuda, the same way
 _cuda16 = None  # spmd_engine.kernels.decode_attention_cuda, the same way
 # A mixed prefill+decode step's decode rows attend with the cache's CUDA decode kernel (where it takes the
 # shapes and its engine key is on), the prompt chunks with the Triton prefill kernel: two launches in place of
-# the Triton mixed kernel, whose decode programs run at an estimated ~3 TB/s (the CUDA kernel: the copy rate)
-# (docs/BENCHMARKS.md, session 20: 205 us a layer for ~104 us of prompt tiles).
+# the Triton mixed kernel, whose decode programs run at an estimated ~3 TB/s (the CUDA kernel: the copy rate;
+# session 20: 205 us a layer for ~104 us of prompt tiles). Measured on an H200 (docs/BENCHMARKS.md, session 21):
+# the bench 27,535-27,563 tok/s against 27,472-27,535 with the mixed kernel, alternating in one call (+0.1 %).
 MIXED_DECODE_ON_CUDA = True
 
 
