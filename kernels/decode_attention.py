@@ -64,6 +64,7 @@ class DecodeConfig:
     num_stages: int
     programs_per_sm: int  # target resident programs per SM when choosing the split count
     min_tokens_per_split: int = MIN_TOKENS_PER_SPLIT  # table positions per split at the least
+    small_second_wave: float = 0.0  # decode_num_splits: a split fewer rather than this small an overshoot
 
 
 def default_decode_config(head_dim: int, device: torch.device, kv_fp8: bool = False) -> DecodeConfig:
@@ -91,12 +92,19 @@ def _num_sms(device: torch.device) -> int:
 
 def decode_num_splits(
     num_seqs: int, num_kv_heads: int, max_blocks: int, block_size: int, target_programs: int,
-    min_tokens_per_split: int = MIN_TOKENS_PER_SPLIT,
+    min_tokens_per_split: int = MIN_TOKENS_PER_SPLIT, small_second_wave: float = 0.0,
 ) -> int:
-    """Splits per (sequence, KV head): enough programs to fill the GPU, from shapes only."""
+    """Splits per (sequence, KV head): enough programs to fill the GPU, from shapes only. With
+    `small_second_wave` > 0, one split fewer where the count that fills the GPU would overshoot
+    `target_programs` (the resident programs) by at most that fraction: the few programs past them would
+    run alone afterwards (see `decode_attention_cuda.SMALL_SECOND_WAVE`)."""
     max_context = max_blocks * block_size
     by_length = math.ceil(max_context / min_tokens_per_split)
-    by_occupancy = math.ceil(target_programs / max(1, num_seqs * num_kv_heads))
+    pairs = max(1, num_seqs * num_kv_heads)
+    by_occupancy = math.ceil(target_programs / pairs)
+    if by_occupancy > 1 and pairs * by_occupancy <= target_programs * (1 + small_second_wave) \
+            and pairs * by_occupancy > target_programs:
+        by_occupancy -= 1
     return max(1, min(by_length, by_occupancy, MAX_SPLITS))
 
 
@@ -107,7 +115,7 @@ def split_count(kernel: str, num_splits: int | None, num_seqs: int, k_cache: tor
     if num_splits is None:
         target = cfg.programs_per_sm * _num_sms(k_cache.device)
         num_splits = decode_num_splits(num_seqs, k_cache.shape[2], block_tables.shape[1], k_cache.shape[1], target,
-                                       cfg.min_tokens_per_split)
+                                       cfg.min_tokens_per_split, cfg.small_second_wave)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"{kernel}: num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     return num_splits

@@ -36,6 +36,11 @@ from spmd_engine.kernels.pdl import pdl_enabled
 BLOCK_N = 64  # keys per tile
 STAGES = 2  # tiles in flight per warp (shared memory: STAGES x 32 KB)
 PROGRAMS_PER_SM = 3  # resident warps per SM when choosing the split count
+# A split fewer where the count that fills the SMs' resident warps would overshoot them by at most 15 %: the
+# few warps past them would run alone after the rest. H200, CUDA graphs (docs/BENCHMARKS.md, session 21): 8 rows
+# x 1,024 keys 7 splits 12.4 us -> 6 splits 10.5 (600..2,048 keys 14.7 -> 13.2), 4 rows 13 -> 12 splits 8.8 -> 7.8
+# (9.5 -> 9.3); 12 rows and up, where the overshoot is larger, keep the count that fills the GPU.
+SMALL_SECOND_WAVE = 0.15
 HEAD_DIM = 128
 # Decode steps hand the kernel the qkv projection's raw rows (`DecodePrologue`) instead of running
 # qk_norm_rope_store before it: one launch a layer fewer (models/layers/attention.py). Measured on an H200
@@ -751,7 +756,8 @@ def _kernel(device_index: int, group: int, block_size: int, num_kv_heads: int, i
 
 def decode_config() -> da.DecodeConfig:
     """This kernel's tile as a `decode_attention.DecodeConfig` (the split rule reads its programs per SM)."""
-    return da.DecodeConfig(block_n=BLOCK_N, num_warps=1, num_stages=STAGES, programs_per_sm=PROGRAMS_PER_SM)
+    return da.DecodeConfig(block_n=BLOCK_N, num_warps=1, num_stages=STAGES, programs_per_sm=PROGRAMS_PER_SM,
+                           small_second_wave=SMALL_SECOND_WAVE)
 
 
 def run_split_kernel(name: str, kernel: cuda_rtc.CudaKernel, query: torch.Tensor, k_cache: torch.Tensor,

@@ -75,6 +75,18 @@ def test_num_splits_depends_only_on_shapes():
     assert decode_num_splits(4, 2, 1, 16, target_programs=528) == 1
 
 
+def test_a_small_second_wave_costs_a_split():
+    """With `small_second_wave`, the count that fills 396 resident programs (132 SMs x 3) drops by one where
+    it overshoots them by at most that fraction (8 rows x 8 KV heads: 7 splits = 448 programs -> 6), and
+    stays where the overshoot is larger (16 rows: 4 splits = 512) or absent."""
+    splits = lambda rows, slack: decode_num_splits(rows, 8, 256, 16, target_programs=396,  # noqa: E731
+                                                   small_second_wave=slack)
+    assert [splits(r, 0.0) for r in (4, 8, 12, 16)] == [13, 7, 5, 4]
+    assert [splits(r, 0.15) for r in (1, 4, 8, 12, 16)] == [16, 12, 6, 5, 4]
+    assert splits(33, 0.15) == 2  # 264 pairs: 2 splits (528 programs) overshoot by a third
+    assert decode_num_splits(33, 12, 256, 16, target_programs=396, small_second_wave=0.15) == 1  # 396: one wave
+
+
 def test_supports_and_clear_errors():
     assert supports(16, 128) and supports(128, 64) and supports(8, 32)
     assert not supports(48, 128) and not supports(16, 96)
