@@ -539,6 +539,7 @@ class _Generation:
         timeline.mark(launched.index, "sample_start")
         tokens = None
         if launched.graph_rows is not None and not any(transformed):  # all greedy / all plain: one replay
+            self.readback_buffers.fence()  # the replay overwrites the tokens an unread copy may still take
             tokens = self.llm.runner.sampler_graphs.sample(launched.graph_rows, rows)
             self.sampler_graph_steps += tokens is not None
         if tokens is None:

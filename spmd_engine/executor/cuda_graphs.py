@@ -110,9 +110,10 @@ class DecodeGraphs:
         return smallest_holding(self.sizes, num_seqs)
 
     def stage(self, host: HostBatch) -> tuple[int, ForwardBatch]:
-        """Copy the batch into the captured buffers, padded to the smallest graph that holds it."""
+        """Copy the batch into the captured buffers, padded to the smallest graph that holds it (the
+        copy is waited for by `InputBuffers.wait_copied` before the replay)."""
         rows = self.padded_size(host.num_seqs)
-        return rows, self.buffers.load(host, rows=rows)
+        return rows, self.buffers.load(host, rows=rows, wait=False)
 
     def replay(self, rows: int, host: HostBatch) -> torch.Tensor | None:
         """Replay graph `rows`; logits of the sampled rows on tp rank 0.

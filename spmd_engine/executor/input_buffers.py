@@ -4,6 +4,12 @@ Every field has a fixed place in one byte buffer on the host (pinned) and one on
 step costs one host->device copy and no allocation, and the device views keep their addresses from
 step to step: the decode CUDA graphs are captured on exactly these views. The block table comes
 last, so the copy stops after the rows this step uses.
+
+On CUDA the copy runs on a stream of its own, after the steps queued so far (the forward in flight
+reads these buffers): a copy queued between the forward and the sampling of the step in flight would
+hold the sampling back by the copy engine's turnaround (~20 µs a step on an H200) while it only has
+to land before the next forward. `load(..., wait=False)` leaves that wait to `wait_copied`, which the
+runner calls right before the next forward.
 """
 from __future__ import annotations
 
@@ -58,6 +64,7 @@ class InputBuffers:
         self._np["block_tables"] = self._np["block_tables"].reshape(max_seqs, max_blocks)
         self._dev["block_tables"] = self._dev["block_tables"].view(max_seqs, max_blocks)
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # the copies' own stream
 
     def fits(self, host: HostBatch, rows: int | None = None) -> bool:
         rows = host.num_seqs if rows is None else rows
@@ -69,7 +76,13 @@ class InputBuffers:
         """The first n entries (rows of the block table) of field `name` on the device: what graphs read."""
         return self._dev[name][:n]
 
-    def load(self, host: HostBatch, rows: int | None = None, pad_tokens: int | None = None) -> ForwardBatch:
+    def wait_copied(self) -> None:
+        """The current stream waits for the last `load`'s copy (nothing to wait for off CUDA)."""
+        if self._copied is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._copied)
+
+    def load(self, host: HostBatch, rows: int | None = None, pad_tokens: int | None = None,
+             wait: bool = True) -> ForwardBatch:
         """Stage `host` and copy it to the device; return device views of this step's inputs.
 
         `rows` pads a decode batch to that many sequences (one token each) for the decode graph of that
@@ -77,6 +90,8 @@ class InputBuffers:
         them), and `logits_indices` spans all `rows` (the sampled rows first, in plan order). `pad_tokens`
         pads only the token fields to that many tokens (input 0, position 0, slot -1) and the unused
         logits rows to row 0 (the piecewise graphs); the returned views stay the real step's.
+        `wait=False`: the current stream does not wait for the copy yet; call `wait_copied` before the
+        views are read or written on it (CUDA).
         """
         num_seqs, num_tokens = host.num_seqs, host.num_tokens
         for_graph = rows is not None
@@ -109,9 +124,17 @@ class InputBuffers:
             num_logits = rows
         tables = self.fields["block_tables"]
         end = tables.offset + rows * self.max_blocks * 4
-        self.dev[:end].copy_(self.host[:end], non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
+        if self._stream is None or torch.cuda.is_current_stream_capturing():
+            self.dev[:end].copy_(self.host[:end], non_blocking=True)
+            if self._copied is not None:
+                self._copied.record()
+        else:
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))  # its readers queued so far
+            with torch.cuda.stream(self._stream):
+                self.dev[:end].copy_(self.host[:end], non_blocking=True)
+            self._copied.record(self._stream)
+            if wait:
+                self.wait_copied()
         d = self._dev
         attn = AttentionMetadata(
             slot_mapping=d["slot_mapping"][:tokens], cu_seqlens_q=d["cu_seqlens_q"][: rows + 1],

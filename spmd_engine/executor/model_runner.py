@@ -239,7 +239,7 @@ class ModelRunner:
             tokens, batch = self.piecewise.stage(host)
             return StagedStep(plan, host, batch, None, tokens)
         if self.inputs is not None and self.inputs.fits(host):
-            return StagedStep(plan, host, self.inputs.load(host), None)
+            return StagedStep(plan, host, self.inputs.load(host, wait=False), None)
         return StagedStep(plan, host, to_device(host, self.settings.block_size, self.device), None)
 
     @torch.inference_mode()
@@ -250,6 +250,8 @@ class ModelRunner:
         Logits from a CUDA graph are a view of its static output: use them before the next step.
         """
         batch, plan = staged.batch, staged.plan
+        if self.inputs is not None:  # the staged copy ran beside the step in flight's sampling
+            self.inputs.wait_copied()
         if plan.num_prev_sampled:
             batch.fill_deferred(self._share_tokens(prev_tokens, plan.num_prev_sampled))
         self.last_prompt_logits = None

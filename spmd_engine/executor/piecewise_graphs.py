@@ -209,9 +209,10 @@ class PiecewiseGraphs:
                 and self.buffers.fits(host))
 
     def stage(self, host: HostBatch) -> tuple[int, ForwardBatch]:
-        """Copy the step into the captured buffers, its tokens padded to the smallest bucket that holds them."""
+        """Copy the step into the captured buffers, its tokens padded to the smallest bucket that holds them
+        (the copy is waited for by `InputBuffers.wait_copied` before the replay)."""
         n = smallest_holding(self.sizes, host.num_tokens)
-        return n, self.buffers.load(host, pad_tokens=n)
+        return n, self.buffers.load(host, pad_tokens=n, wait=False)
 
     def replay(self, n: int, host: HostBatch, batch: ForwardBatch) -> torch.Tensor | None:
         """Run bucket `n`'s pieces with eager attention between them; logits of the sampled rows on tp

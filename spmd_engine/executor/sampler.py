@@ -187,10 +187,15 @@ class _KeyStaging:
         self.device = device
         self._host: torch.Tensor | None = None
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
+        self._stream: torch.cuda.Stream | None = None  # the copies into a static buffer (made on first use)
 
-    def put(self, packed: np.ndarray, into: torch.Tensor | None = None) -> torch.Tensor:
+    def put(self, packed: np.ndarray, into: torch.Tensor | None = None,
+            after: torch.cuda.Event | None = None) -> torch.Tensor:
         """`packed` (int64 [n]) on the device: a new tensor, or copied into `into` (an int64 [n] device
-        tensor, e.g. a CUDA graph's static key buffer) and returned."""
+        tensor, e.g. a CUDA graph's static key buffer) and returned. `after` (with `into`, CUDA): the
+        event recorded after `into`'s last reader; the copy then runs on a stream of its own after that
+        event alone, so it overlaps the forward in flight instead of waiting behind it, and the current
+        stream waits for the copy only."""
         n = packed.shape[0]
         if into is not None and (into.dtype != torch.int64 or into.shape != (n,)):
             raise ValueError(f"key staging: into must be int64 [{n}], got {into.dtype} {tuple(into.shape)}")
@@ -202,6 +207,15 @@ class _KeyStaging:
         self._host[:n].numpy()[:] = packed
         if into is None:
             keys = self._host[:n].to(self.device, non_blocking=True)
+        elif after is not None and not torch.cuda.is_current_stream_capturing():
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(self.device)
+            self._stream.wait_event(after)
+            with torch.cuda.stream(self._stream):
+                keys = into.copy_(self._host[:n], non_blocking=True)
+            self._copied.record(self._stream)
+            torch.cuda.current_stream(self.device).wait_event(self._copied)
+            return keys
         else:
             keys = into.copy_(self._host[:n], non_blocking=True)
         self._copied.record()

@@ -107,6 +107,8 @@ class SamplerGraphs:
         self.graphs = graphs
         self.sizes = sorted({rows for rows, _ in graphs})
         self._staging = _KeyStaging(keys.device)
+        # recorded after each replay: the static keys' last reader, which the next key copy waits for
+        self._keys_read = torch.cuda.Event() if keys.device.type == "cuda" else None
         self.num_replays = 0
 
     @staticmethod
@@ -176,8 +178,10 @@ class SamplerGraphs:
         if entry is None or not 0 < len(batch) <= rows:
             return None
         if kind != "greedy":  # argmax reads no keys
-            self._staging.put(pack_keys(batch, rows), into=entry.keys.packed)
+            self._staging.put(pack_keys(batch, rows), into=entry.keys.packed, after=self._keys_read)
         entry.run()
+        if self._keys_read is not None:
+            self._keys_read.record()
         self.num_replays += 1
         return entry.tokens[:len(batch)]
 

@@ -4,6 +4,9 @@
 the loop plans ahead; a non-blocking copy into pinned memory plus an event waits only for the
 sampling itself. The pinned buffers and their events come from a `ReadbackBuffers` pool: a fresh
 pinned tensor and CUDA event every step cost rank 0 an allocation and an event creation per step.
+With a pool the copy runs on the pool's own stream after the sampling: on the compute stream the
+copy engine's turnaround (~10 µs a step on an H200) would sit between the sampling and the next
+forward, which does not need the host copy.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ _POOL_MAX = 4
 _MIN_ROWS = 256  # a buffer holds at least this many tokens (the default max_num_seqs): one size fits most steps
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity (its fields are tensors)
 class _Slot:
     """One pinned host buffer and the event recorded after the last copy into it."""
 
@@ -34,6 +37,21 @@ class ReadbackBuffers:
 
     def __init__(self) -> None:
         self._free: list[_Slot] = []
+        self._stream: torch.cuda.Stream | None = None  # the copies' own stream (made on first use)
+        self._unread: list[_Slot] = []  # copies taken out and not yet waited for by the host
+
+    def copy_stream(self, device: torch.device) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        return self._stream
+
+    def fence(self) -> None:
+        """The current stream waits for every copy the host has not waited for yet: what a kernel that
+        overwrites sampled tokens (a sampler graph's static output) must come after. In the step loop the
+        host has waited for the last one already, so nothing is queued."""
+        for slot in self._unread:
+            torch.cuda.current_stream().wait_event(slot.copied)
+        self._unread.clear()
 
     def take(self, rows: int, dtype: torch.dtype) -> _Slot:
         free = self._free
@@ -44,6 +62,8 @@ class ReadbackBuffers:
         return _Slot(torch.empty(max(rows, _MIN_ROWS), dtype=dtype, pin_memory=True), torch.cuda.Event())
 
     def give_back(self, slot: _Slot) -> None:
+        if slot in self._unread:
+            self._unread.remove(slot)
         if len(self._free) < _POOL_MAX:
             self._free.append(slot)
 
@@ -58,8 +78,17 @@ class TokenReadback:
             self._slot = (buffers.take(n, tokens.dtype) if buffers is not None
                           else _Slot(torch.empty(n, dtype=tokens.dtype, pin_memory=True), torch.cuda.Event()))
             self._host = self._slot.host[:n].view(tokens.shape)
-            self._host.copy_(tokens, non_blocking=True)
-            self._slot.copied.record()
+            if buffers is None or torch.cuda.is_current_stream_capturing():
+                self._host.copy_(tokens, non_blocking=True)
+                self._slot.copied.record()
+            else:  # on the pool's stream, after the sampling queued so far
+                stream = buffers.copy_stream(tokens.device)
+                stream.wait_stream(torch.cuda.current_stream(tokens.device))
+                with torch.cuda.stream(stream):
+                    self._host.copy_(tokens, non_blocking=True)
+                self._slot.copied.record(stream)
+                tokens.record_stream(stream)  # an eager draw's tokens stay allocated until the copy ran
+                buffers._unread.append(self._slot)
         else:
             self._slot, self._host = None, tokens
 
