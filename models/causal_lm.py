@@ -14,6 +14,7 @@ from torch import nn
 from spmd_engine.models.attention_metadata import AttentionMetadata
 from spmd_engine.models.layers.attention import Attention
 from spmd_engine.models.layers.embedding import ParallelLMHead
+from spmd_engine.models.layers.rotary import RotaryEmbedding
 from spmd_engine.models.model_config import ModelShape
 from spmd_engine.models.parallel import TensorParallel
 
@@ -53,6 +54,13 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [N, hidden] -> float32 logits [N, vocab] on tp rank 0, None on the other ranks."""
         return self.lm_head.compute_logits(hidden)
+
+    def tabulate_rotary(self, max_len: int, dtype: torch.dtype) -> None:
+        """Every rotary embedding keeps (cos, sin) of positions [0, max_len) in `dtype` (the CUDA runner:
+        a step gathers them instead of computing them; see RotaryEmbedding.tabulate)."""
+        for module in self.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.tabulate(max_len, dtype)
 
     def attention_layers(self) -> list[Attention]:
         return [module for module in self.modules() if isinstance(module, Attention)]

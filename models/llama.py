@@ -150,8 +150,7 @@ class LlamaModel(nn.Module):
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, CosSin]:
         """Token embeddings and the rotary (cos, sin) every layer uses, in the activation dtype."""
         hidden = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(positions)
-        return hidden, (cos.to(hidden.dtype), sin.to(hidden.dtype))  # once here, not in every layer
+        return hidden, self.rotary_emb.rows(positions, hidden.dtype)  # once here, not in every layer
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
         hidden, cos_sin = self.embed(input_ids, positions)

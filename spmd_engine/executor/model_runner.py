@@ -73,6 +73,9 @@ class ModelRunner:
 
             set_pdl(False)  # whatever an earlier engine or caller in this process asked for
         self.model = model
+        if device.type == "cuda":  # requests stay below max_model_len; warm-ups below the token and row budgets
+            model.tabulate_rotary(max(settings.max_model_len, settings.max_num_batched_tokens,
+                                      settings.max_num_seqs), dtype)
         self.replica = replica  # the sampled tokens go to this replica's ranks (None: every rank)
         self.shape = shape
         self.settings = settings

@@ -76,3 +76,22 @@ def test_apply_rotary_matches_transformers(dtype):
     torch.testing.assert_close(apply_rotary(q, cos, sin), ref_q[0].transpose(0, 1))
     torch.testing.assert_close(apply_rotary(k, cos, sin), ref_k[0].transpose(0, 1))
     assert apply_rotary(q, cos, sin).dtype == dtype
+
+
+@pytest.mark.parametrize("rope", ROPES.values(), ids=ROPES.keys())
+def test_tabulated_rows_are_the_computed_ones(rope):
+    """The CUDA runner's tables (tests/gpu/test_rotary_tables.py checks the bits there): a step's rows
+    are gathered from (cos, sin) made by `forward` over every position, in the activation dtype."""
+    config = hf_config(rope)
+    rotary = RotaryEmbedding(HEAD_DIM, MAX_POS, RopeConfig.from_hf_config(config.to_dict()))
+    positions = torch.tensor([0, 5, 3, 2 * MAX_POS - 1, MAX_POS, 1])
+    computed = [t.to(torch.bfloat16) for t in rotary(positions)]
+    assert rotary.rows(positions, torch.bfloat16)[0].equal(computed[0])  # no tables: computed
+    rotary.tabulate(2 * MAX_POS, torch.bfloat16)
+    table_cos, table_sin = rotary.tables
+    assert table_cos.shape == (2 * MAX_POS, HEAD_DIM // 2) and table_cos.dtype == torch.bfloat16
+    cos, sin = rotary.rows(positions, torch.bfloat16)
+    assert cos.equal(table_cos[positions]) and sin.equal(table_sin[positions])
+    torch.testing.assert_close(cos, computed[0], atol=0, rtol=2 ** -7)  # bf16: within one rounding
+    torch.testing.assert_close(sin, computed[1], atol=0, rtol=2 ** -7)
+    assert rotary.rows(positions, torch.float32)[0].equal(rotary(positions)[0])  # another dtype: computed
