@@ -180,14 +180,21 @@ def _keep_best(score, cols, vocab, best, best_col):
 
 @triton.jit
 def _gumbel_race_kernel(logits, temps, seeds, counters, best_scores, best_cols, vocab, stride_row, num_chunks,
-                        chunk_max, chunk_sum, done_round, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                        chunk_max, chunk_sum, done_round, picks, arrivals, tokens, empty,
+                        CHUNK: tl.constexpr, BLOCK: tl.constexpr,
                         MUL1: tl.constexpr, MUL2: tl.constexpr, A0: tl.constexpr, B0: tl.constexpr,
-                        CMUL: tl.constexpr, USE_PDL: tl.constexpr, WITH_STATS: tl.constexpr = False):
+                        CMUL: tl.constexpr, USE_PDL: tl.constexpr, WITH_STATS: tl.constexpr = False,
+                        PICK: tl.constexpr = False):
     """One program per (row, vocabulary chunk): the chunk's best logits / T + round-0 Gumbel noise and
     its column, the noise made in registers (no [N, V] tensor); ties go to the lowest column, as
     torch.argmax. Chunks rather than whole rows: a row per program leaves most of the GPU idle.
     WITH_STATS (the nucleus draw's round 0): also the chunk's largest logits / T and its softmax sum
-    relative to that maximum, and every row marked undecided (done_round -1)."""
+    relative to that maximum, and every row marked undecided (done_round -1).
+    PICK (the plain draw): instead of storing its best, each program folds (score, lowest column) into the
+    row's int64 in `picks` with an atomic max (the score's order-preserving bits above the column's
+    complement: the highest score, then the lowest column, as argmax over the chunks then the columns), and
+    the row's last program to arrive writes the token and puts `picks` (to `empty`) and `arrivals` (to 0)
+    back, so the next launch finds them ready: one launch instead of the race, an argmax and a gather."""
     pdl_prologue(USE_PDL)  # kernels/pdl.py: before any memory access
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -218,8 +225,16 @@ def _gumbel_race_kernel(logits, temps, seeds, counters, best_scores, best_cols, 
         lane_col = tl.where(better, cols, lane_col)
     best = tl.max(lane_best, axis=0)
     best_col = tl.min(tl.where(lane_best == best, lane_col, vocab), axis=0).to(tl.int64)
-    tl.store(best_scores + row * num_chunks + chunk, best)
-    tl.store(best_cols + row * num_chunks + chunk, best_col)
+    if PICK:
+        complement = 4294967295 - best_col  # in [0, 2**32): a lower column packs higher
+        tl.atomic_max(picks + row, (_float_key(best).to(tl.int64) << 32) | complement)
+        if tl.atomic_add(arrivals + row, 1) == num_chunks - 1:  # acq_rel: every other chunk's max is in
+            packed = tl.atomic_xchg(picks + row, empty)
+            tl.store(tokens + row, 4294967295 - (packed & 4294967295))
+            tl.atomic_xchg(arrivals + row, 0)
+    else:
+        tl.store(best_scores + row * num_chunks + chunk, best)
+        tl.store(best_cols + row * num_chunks + chunk, best_col)
     if WITH_STATS:
         tl.store(chunk_max + row * num_chunks + chunk, top)
         tl.store(chunk_sum + row * num_chunks + chunk, total)
@@ -243,15 +258,35 @@ def gumbel_race(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.T
     if not rows or not vocab:
         return torch.zeros(rows, device=logits.device, dtype=torch.int64)
     num_chunks = triton.cdiv(vocab, RACE_CHUNK)
-    scores = torch.empty(rows, num_chunks, device=logits.device, dtype=torch.float32)
-    cols = torch.empty(rows, num_chunks, device=logits.device, dtype=torch.int64)
+    picks, arrivals = _race_state(logits.device, rows)
+    tokens = torch.empty(rows, device=logits.device, dtype=torch.int64)
     _gumbel_race_kernel[(rows, num_chunks)](
         logits, temperatures.float().contiguous(), seeds.long().contiguous(), counters.long().contiguous(),
-        scores, cols, vocab, logits.stride(0), num_chunks, scores, scores, cols,
+        tokens, tokens, vocab, logits.stride(0), num_chunks, tokens, tokens, tokens,  # unread with PICK
+        picks, arrivals, tokens, _PICK_EMPTY,
         CHUNK=RACE_CHUNK, BLOCK=BLOCK, MUL1=HASH_MUL1, MUL2=HASH_MUL2, A0=LANE_A, B0=LANE_B, CMUL=COLUMN_MUL,
-        num_warps=4, **pdl_launch(logits.device))
-    # the first chunk holding the row's maximum (torch.argmax takes the first): the lowest column
-    return cols.gather(1, scores.argmax(dim=1, keepdim=True)).squeeze(1)
+        PICK=True, num_warps=4, **pdl_launch(logits.device))
+    return tokens
+
+
+_PICK_EMPTY = -(2**63)  # below every packed (score, column): what `picks` holds between launches
+_RACE_STATES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _race_state(device: torch.device, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The device's race scratch (`picks` int64 at _PICK_EMPTY, `arrivals` int32 at 0, one per row), made
+    once and left as found by every launch. Launches of one device run one after the other on the stream
+    that samples (rank 0's); the CUDA sampler graphs' eager warm-up (largest first) makes it before any
+    capture, where it must not be made (a captured allocation would belong to the graph)."""
+    state = _RACE_STATES.get(device)
+    if state is None or state[0].numel() < rows:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"gumbel_race: {rows} rows need race scratch made before the graph capture")
+        size = max(rows, 256)
+        state = (torch.full((size,), _PICK_EMPTY, dtype=torch.int64, device=device),
+                 torch.zeros(size, dtype=torch.int32, device=device))
+        _RACE_STATES[device] = state
+    return state
 
 
 @triton.jit
@@ -522,7 +557,8 @@ def _launch_nucleus(logits, temperatures, top_ps, seeds, counters, out, rounds: 
     stride = logits.stride(0)
     _gumbel_race_kernel[grid](  # round 0, spread over the GPU
         logits, temperatures, seeds, counters, stats[0], race_cols[0], vocab, stride, num_chunks,
-        chunk_max, chunk_sum, done[0], CHUNK=RACE_CHUNK, BLOCK=BLOCK, WITH_STATS=True, num_warps=4, **hashing, **pdl)
+        chunk_max, chunk_sum, done[0], race_cols[0], done[0], race_cols[0], 0,  # the PICK arguments: unread
+        CHUNK=RACE_CHUNK, BLOCK=BLOCK, WITH_STATS=True, num_warps=4, **hashing, **pdl)
     _nucleus_mass_kernel[grid](logits, temperatures, stride, vocab, num_chunks, stats[0], race_cols[0], chunk_max,
                                mass, done[0], CHECK_DONE=False, CHUNK=RACE_CHUNK, BLOCK=BLOCK, CBLOCK=cblock,
                                num_warps=4, **pdl)

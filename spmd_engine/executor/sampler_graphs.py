@@ -194,24 +194,23 @@ class SamplerGraphs:
 
 
 def sampler_graph_bytes(sizes: list[int], vocab: int) -> int:
-    """An upper bound of the memory the sampler graphs keep on the sampling rank: the static keys
-    (outside their pool), and in their pool every block each capture allocates (the race's per-chunk
-    scores float32 and columns int64, its argmax and token outputs, the greedy argmax) as if none were
-    reused, each rounded as the CUDA caching allocator rounds it, plus the segments those blocks open:
-    a 2 MiB small-block segment in each of their pool and the ordinary pool (the keys, the warm-up
-    draws' temporaries) and, once a block reaches 1 MiB (thousands of rows), a 20 MiB large one."""
-    from spmd_engine.kernels.sampling_noise import RACE_CHUNK  # CUDA only: Triton is there
-
+    """An upper bound of the memory the sampler graphs keep on the sampling rank: the static keys and the
+    fused race's per-row scratch (`sampling_noise._race_state`, made by the largest warm-up draw; both
+    outside their pool), and in their pool every block each capture allocates (the race's tokens, the
+    greedy argmax) as if none were reused, each rounded as the CUDA caching allocator rounds it, plus the
+    segments those blocks open: a 2 MiB small-block segment in each of their pool and the ordinary pool
+    (the keys, the scratch, the warm-up draws' temporaries) and, once a block reaches 1 MiB, a 20 MiB
+    large one. `vocab` is kept for callers: no block depends on it since the race stopped keeping
+    per-chunk results."""
     def block(nbytes: int) -> int:
         step = _BLOCK_BYTES if nbytes < _LARGE_BLOCK_BYTES else _LARGE_ROUND_BYTES
         return -(-nbytes // step) * step
 
     if not sizes:
         return 0
-    chunks = -(-vocab // RACE_CHUNK)
-    blocks = [block(3 * _aligned(max(sizes)) * 8)]
+    largest = max(sizes)
+    blocks = [block(3 * _aligned(largest) * 8), block(max(largest, 256) * 8), block(max(largest, 256) * 4)]
     for rows in sizes:
-        blocks += [block(rows * chunks * 4), block(rows * chunks * 8), block(rows * 8), block(rows * 8)]  # plain
-        blocks.append(block(rows * 8))  # greedy argmax
+        blocks += [block(rows * 8), block(rows * 8)]  # the plain race's tokens, the greedy argmax
     large = any(b >= _LARGE_BLOCK_BYTES for b in blocks)
     return sum(blocks) + 2 * _SMALL_SEGMENT_BYTES + (_LARGE_SEGMENT_BYTES if large else 0)

@@ -98,7 +98,7 @@ def bench_report(llm, works: list[dict], engine_run: dict, wall_s: float, output
         report.update(rates)
         report["floor_s"] = floor
         report["fraction_of_floor"] = floor / wall_s if wall_s > 0 else 0.0
-        log.info("bench: %.2f s wall vs %.2f s floor (%.0f%% of the floor; copy %.2f TB/s, matmul %.0f TFLOP/s)",
+        log.info("bench: %.3f s wall vs %.3f s floor (%.1f%% of the floor; copy %.2f TB/s, matmul %.0f TFLOP/s)",
                  wall_s, floor, 100 * report["fraction_of_floor"], rates["copy_bytes_per_s"] / 1e12,
                  rates["matmul_flop_per_s"] / 1e12)
     timing = engine_run.get("step_timing", {})

@@ -95,6 +95,28 @@ def test_fused_race_spans_blocks_and_skips_minus_inf():
     assert got == (logits + gumbel_noise(keys, keys, 0, logits.shape[1])).argmax(dim=-1).tolist()
 
 
+def test_fused_race_leaves_its_scratch_as_it_found_it():
+    """Launch after launch (row counts up and down, and after the scratch grew) every draw is the
+    argmax of its own logits, and the per-row scratch is back to empty / 0 between launches."""
+    from spmd_engine.kernels.sampling_noise import _PICK_EMPTY, _race_state
+
+    gen = torch.Generator().manual_seed(7)
+    vocab = 3 * RACE_CHUNK + 5  # four chunks, the last one partial
+    for rows in (3, 1, 2, 0, 3):
+        if rows == 0:  # a larger scratch (what more rows than it holds make): a fresh one, ready as well
+            assert _race_state(torch.empty(0, device=DEVICE).device, 300)[0].numel() >= 300
+            continue
+        logits = torch.randn(rows, vocab, generator=gen).to(DEVICE)
+        logits[0, :] = 0.5  # one row whose logits tie everywhere: the noise alone decides
+        temps = torch.ones(rows, device=DEVICE)
+        seeds = torch.arange(rows, device=DEVICE) + 11
+        counters = torch.full((rows,), rows, device=DEVICE)
+        expected = (logits / temps[:, None] + gumbel_noise(seeds, counters, 0, vocab)).argmax(dim=-1)
+        assert torch.equal(gumbel_race(logits, temps, seeds, counters), expected)
+        picks, arrivals = _race_state(logits.device, rows)
+        assert picks.numel() >= rows and bool((picks == _PICK_EMPTY).all()) and bool((arrivals == 0).all())
+
+
 @pytest.mark.parametrize("width,vocab", [(7, 50), (NOISE_AT_BLOCK + 3, 5000), gpu_case(1024, 151_936)])
 def test_noise_at_columns_equals_the_gathered_noise(width, vocab):
     """The top-k path's noise at a few columns per row is the full noise at those columns, bit for bit

@@ -131,19 +131,17 @@ def test_key_staging_copies_into_a_given_buffer_of_its_size_only():
     assert staging.put(packed).tolist() == list(range(6))  # no destination: a new tensor, as before
 
 
-def test_the_memory_budget_counts_every_graphs_race_temporaries_and_tokens():
+def test_the_memory_budget_counts_every_graphs_tokens_and_the_race_scratch():
     from spmd_engine.executor.sampler_graphs import sampler_graph_bytes
-    from spmd_engine.kernels.sampling_noise import RACE_CHUNK
 
     vocab, sizes = 151936, [1, 2, 4, 8, 16, 32]
-    chunks = -(-vocab // RACE_CHUNK)
-    race = sum(rows * chunks * (4 + 8) for rows in sizes)  # per-chunk scores float32 and columns int64
-    tokens = sum(3 * rows * 8 for rows in sizes)  # the race's argmax and tokens, the greedy argmax
-    assert sampler_graph_bytes(sizes, vocab) >= race + tokens + 3 * 32 * 8
-    assert sampler_graph_bytes(sizes + [256], vocab) - sampler_graph_bytes(sizes, vocab) >= 256 * chunks * 12
+    tokens = sum(2 * rows * 8 for rows in sizes)  # the race's tokens, the greedy argmax
+    scratch = 256 * (8 + 4)  # the fused race's per-row scratch (at least 256 rows)
+    assert sampler_graph_bytes(sizes, vocab) >= tokens + scratch + 3 * 32 * 8 + 2 * (2 << 20)
+    assert sampler_graph_bytes(sizes + [256], vocab) - sampler_graph_bytes(sizes, vocab) >= 2 * 256 * 8
     assert sampler_graph_bytes([], vocab) == 0
-    # thousands of rows: the race's columns pass 1 MiB, a large block in a 20 MiB segment
-    assert sampler_graph_bytes([4096], vocab) >= 4096 * chunks * 12 + (20 << 20)
+    # a graph of 200,000 rows: its blocks pass 1 MiB, large blocks in a 20 MiB segment
+    assert sampler_graph_bytes([200_000], vocab) >= 200_000 * (8 + 8 + 12) + (20 << 20)
 
 
 # --- the engine's routing, with the decode graphs' static logits emulated on CPU --------------------------
