@@ -228,6 +228,10 @@ class Sampler:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._staging = _KeyStaging(device)
+        # CUDA: the keys' persistent device buffer and the event after its last reader (the last draw), so a
+        # step's key copy runs beside the forward in flight instead of between it and this draw
+        self._device_keys: torch.Tensor | None = None
+        self._keys_read = torch.cuda.Event() if device.type == "cuda" else None
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow] | SamplingBatch) -> np.ndarray:
         """logits [N, V] float32 -> token ids [N] (numpy int64)."""
@@ -243,6 +247,12 @@ class Sampler:
         Rows are grouped by their own parameters only (`path_of`): greedy (argmax), top-k up to
         TOP_K_FAST_MAX (topk), larger top-k (sort), top-p alone (rejection), plain temperature (race).
         Every group's keys go to the device in one packed copy."""
+        tokens = self._draw(logits, rows)
+        if self._keys_read is not None:  # every reader of the device keys is queued
+            self._keys_read.record()
+        return tokens
+
+    def _draw(self, logits: torch.Tensor, rows: list[SamplingRow] | SamplingBatch) -> torch.Tensor:
         batch = rows if isinstance(rows, SamplingBatch) else SamplingBatch.from_rows(rows)
         codes = batch.paths()
         n = len(batch)
@@ -266,7 +276,15 @@ class Sampler:
 
     def _keys(self, batch: SamplingBatch, groups: list[np.ndarray | None]) -> list[_GroupKeys]:
         packed, layout = _pack_groups(batch, groups)
-        keys = self._staging.put(packed)
+        n = packed.shape[0]
+        if self._keys_read is None:
+            keys = self._staging.put(packed)
+        elif self._device_keys is None or self._device_keys.shape[0] < n:
+            # a new block may be one the compute stream still reads: copy on that stream this once
+            self._device_keys = torch.empty(max(n, 1024), dtype=torch.int64, device=self.device)
+            keys = self._staging.put(packed, into=self._device_keys[:n])
+        else:
+            keys = self._staging.put(packed, into=self._device_keys[:n], after=self._keys_read)
         return [_unpack_group(keys, at, m, members is not None) for (at, m), members in zip(layout, groups)]
 
     @staticmethod

@@ -78,3 +78,23 @@ def test_fence_orders_an_overwrite_after_an_unread_copy():
     tokens.fill_(0)
     assert readback.numpy().tolist() == [1, 2, 3]  # without the fence the fill would win
     assert pool._unread == []
+
+
+def test_eager_sampler_keys_travel_beside_the_forward_and_draw_the_same_tokens():
+    from spmd_engine.executor.sampler import Sampler, SamplingBatch
+
+    rows, vocab = 6, 5000
+    logits = torch.randn(rows, vocab, device="cuda")
+    batch = SamplingBatch(np.arange(rows, dtype=np.int64) + 3, np.arange(rows, dtype=np.int64),
+                          np.full(rows, 0.7), np.array([0.9, 0.95, 1.0, 0.5, 0.9, 1.0]), np.zeros(rows, np.int64))
+    expected = Sampler(torch.device("cuda")).sample_on_device(logits, batch).tolist()  # first draw: no event yet
+    sampler = Sampler(torch.device("cuda"))
+    sampler.sample_on_device(logits, batch)  # makes its device key buffer
+    torch.cuda._sleep(SLEEP_CYCLES)  # the forward in flight
+    tokens = sampler.sample_on_device(logits, batch)
+    deadline = time.monotonic() + 0.05
+    while not sampler._staging._copied.query() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    copied_during_forward = sampler._staging._copied.query()
+    assert tokens.tolist() == expected
+    assert copied_during_forward
