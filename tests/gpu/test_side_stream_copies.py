@@ -6,13 +6,14 @@ A long `torch.cuda._sleep` on the compute stream stands for the forward in fligh
 import time
 
 import numpy as np
+import pytest
 import torch
 
 from spmd_engine.executor.forward_batch import HostBatch
 from spmd_engine.executor.input_buffers import InputBuffers
 from spmd_engine.executor.sampler import _KeyStaging
 from spmd_engine.executor.token_readback import ReadbackBuffers, TokenReadback
-from tests.gpu.engine_setup import GPU
+from tests.gpu.engine_setup import GPU, PROMPTS, greedy_tokens, make_llm, tiny_bf16_checkpoint
 
 pytestmark = GPU
 
@@ -98,3 +99,32 @@ def test_eager_sampler_keys_travel_beside_the_forward_and_draw_the_same_tokens()
     copied_during_forward = sampler._staging._copied.query()
     assert tokens.tolist() == expected
     assert copied_during_forward
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return tiny_bf16_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt")
+
+
+def test_graphs_match_eager_under_preemption_and_chunked_prefill(checkpoint):
+    """The copies' orderings under pressure: async scheduling, 32-token chunks and a 10-block pool that
+    preempts; the decode graphs (staged inputs, sampler keys and readbacks on their streams) give the eager
+    engine's greedy tokens, twice over."""
+    prompts = PROMPTS + [list(range(200, 260)), [7] * 45]
+    pressure = dict(num_kv_blocks=10, block_size=16, max_model_len=128, max_num_batched_tokens=32,
+                    attention_backend="triton", async_scheduling=True)
+    eager = make_llm(checkpoint, enforce_eager=True, **pressure)
+    try:
+        expected = greedy_tokens(eager, prompts, 24)
+        assert eager.last_run["preemptions"] > 0
+    finally:
+        eager.close()
+    llm = make_llm(checkpoint, **pressure)
+    try:
+        assert llm.runner.graphs is not None
+        for _ in range(2):
+            assert greedy_tokens(llm, prompts, 24) == expected
+            assert llm.last_run["preemptions"] > 0
+        assert llm.runner.graphs.num_replays > 0
+    finally:
+        llm.close()
