@@ -45,6 +45,11 @@ class ReadbackBuffers:
             self._stream = torch.cuda.Stream(device)
         return self._stream
 
+    def copied_on_stream(self, slot: _Slot) -> None:
+        """`slot`'s copy was queued on the pool's stream: fences order later overwrites after it until the
+        host has waited for it."""
+        self._unread.append(slot)
+
     def fence(self) -> None:
         """The current stream waits for every copy the host has not waited for yet: what a kernel that
         overwrites sampled tokens (a sampler graph's static output) must come after. In the step loop the
@@ -88,7 +93,7 @@ class TokenReadback:
                     self._host.copy_(tokens, non_blocking=True)
                 self._slot.copied.record(stream)
                 tokens.record_stream(stream)  # an eager draw's tokens stay allocated until the copy ran
-                buffers._unread.append(self._slot)
+                buffers.copied_on_stream(self._slot)
         else:
             self._slot, self._host = None, tokens
 
