@@ -21,6 +21,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from spmd_engine.kernels.bench_fused_ops import graph_ms
+
 # cublasLt.h / library_types.h values (CUDA 12 and 13)
 CUBLAS_COMPUTE_32F = 68
 CUDA_R_32F, CUDA_R_16BF = 0, 14
@@ -119,31 +121,6 @@ def algo_config(algo: Algo) -> str:
     return ", ".join(parts)
 
 
-def graph_us(fn, reps: int = 20) -> float:
-    """µs per replay of a CUDA graph of `fn` (best of five timed loops)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / reps)
-    return best
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[32, 129, 256])
@@ -164,7 +141,7 @@ def main() -> None:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             y = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
             reference = F.linear(x, weights[0])
-            base = graph_us(lambda: [torch.mm(x, w.t(), out=y) for w in weights]) / LAYERS  # F.linear's GEMM
+            base = graph_ms(lambda: [torch.mm(x, w.t(), out=y) for w in weights]) * 1e3 / LAYERS  # F.linear's GEMM
             gemm = Gemm(handle, rows, n, k)
             timed = []
             for i, result in enumerate(gemm.candidates(args.algos)):
@@ -173,7 +150,7 @@ def main() -> None:
                     torch.cuda.synchronize()
                     same = torch.equal(y, reference)
                     close = (y.float() - reference.float()).abs().max().item()
-                    us = graph_us(lambda: [gemm.run(result.algo, x, w, y, workspace) for w in weights]) / LAYERS
+                    us = graph_ms(lambda: [gemm.run(result.algo, x, w, y, workspace) for w in weights]) * 1e3 / LAYERS
                     timed.append((us, i, algo_config(result.algo), same, close, result.workspace_size))
                 except RuntimeError as exc:
                     timed.append((float("inf"), i, f"failed: {exc}", False, float("nan"), 0))
