@@ -10,6 +10,7 @@ without the profiler give the step's wall time: above the kernels' sum is what r
     python launch/kernel_profile.py --model qwen3 --batch 64 --context 2000 --set kv_cache_dtype=fp8
     python launch/kernel_profile.py --whole-bench           # kernel totals over the nano-vllm bench run
     python launch/kernel_profile.py --prefill-steps 5       # 8,190-token prefill steps (both: prefix cache off)
+    python launch/kernel_profile.py --boundary              # the bench's GPU timeline between decode steps
 """
 from __future__ import annotations
 
@@ -72,6 +73,41 @@ def table(engine, requests, units: int, unit: str, top: int) -> None:
         print(f"{us / units:10.1f} us {calls / units:7.1f} calls {us / max(calls, 1):8.1f} us/call  {name[:90]}")
 
 
+def boundary(engine, requests, show: int = 3) -> None:
+    """What the GPU runs between a decode step's forward and the next one's: one bench run under the
+    profiler (kernels, copies and memsets in start order), the gaps between consecutive ones by size, and a
+    few decode-step boundaries around their draw (`_gumbel_race_kernel`), each op with the gap before it."""
+    import collections
+    import json
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.generate(requests)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.generate(requests)
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as trace:
+        prof.export_chrome_trace(trace.name)
+        events = json.load(open(trace.name))["traceEvents"]
+    ops = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    gaps = [b["ts"] - (a["ts"] + a["dur"]) for a, b in zip(ops, ops[1:])]
+    print(f"--- {len(ops)} GPU ops over {(ops[-1]['ts'] + ops[-1]['dur'] - ops[0]['ts']) / 1e3:.1f} ms, busy "
+          f"{sum(e['dur'] for e in ops) / 1e3:.1f} ms; gaps between consecutive ops (negative: overlapping streams)")
+    edges = [-1e9, 0, 1, 2, 5, 10, 30, 100, 1000, 1e9]
+    counts = collections.Counter(next(i for i in range(len(edges) - 1) if edges[i] <= g < edges[i + 1]) for g in gaps)
+    for i in range(len(edges) - 1):
+        total = sum(g for g in gaps if edges[i] <= g < edges[i + 1]) / 1e3
+        print(f"  [{edges[i]:g}, {edges[i + 1]:g}) us: {counts[i]:7d} gaps, {total:8.1f} ms")
+    draws = [i for i, e in enumerate(ops) if e["name"].startswith("_gumbel_race")]
+    for at in draws[len(draws) // 2: len(draws) // 2 + show]:
+        print(f"--- a decode step's boundary (op {at}): gap before, duration, op")
+        for j in range(max(at - 3, 1), min(at + 12, len(ops))):
+            e = ops[j]
+            print(f"  {gaps[j - 1]:8.2f} {e['dur']:8.2f} us  {e.get('cat'):10s} {e['name'][:80]}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="qwen3", help="a conf/model group (dummy weights)")
@@ -82,6 +118,8 @@ def main() -> None:
     p.add_argument("--top", type=int, default=18)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an engine key (yaml value)")
     p.add_argument("--whole-bench", action="store_true", help="instead: kernel totals over the bench workload")
+    p.add_argument("--boundary", action="store_true",
+                   help="instead: the bench's GPU timeline between decode steps (gaps, copies, the draw)")
     p.add_argument("--prefill-steps", type=int, default=0, metavar="N",
                    help="instead: N pure prefill steps of 15 distinct 546-token prompts (8,190 tokens) each")
     args = p.parse_args()
@@ -94,7 +132,7 @@ def main() -> None:
     from spmd_engine.llm import compose_config
 
     keys = {"max_model_len": 4096, "log_level": "WARNING"}
-    if args.whole_bench or args.prefill_steps:  # the profiled run repeats the warm run's prompts: no cache hits
+    if args.whole_bench or args.prefill_steps or args.boundary:  # the profiled run repeats the warm one: no hits
         keys["enable_prefix_caching"] = False
     keys.update({k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in args.set)})
     raw = compose_config(args.model, keys)
@@ -105,12 +143,14 @@ def main() -> None:
 
         if args.whole_bench:
             table(engine, bench_requests({}), 1, "bench run", args.top)
+        if args.boundary:
+            boundary(engine, bench_requests({}))
         if args.prefill_steps:
             n = 15 * args.prefill_steps
             prompts = bench_requests({"num_seqs": n, "min_input_len": 546, "max_input_len": 546, "min_output_len": 1,
                                       "max_output_len": 1, "random_seed": 99})
             table(engine, prompts, args.prefill_steps, "8,190-token prefill step", args.top)
-        for batch in [] if args.whole_bench or args.prefill_steps else args.batch:
+        for batch in [] if args.whole_bench or args.prefill_steps or args.boundary else args.batch:
             per_step(engine, batch, args.context, args.steps[0], args.steps[1], args.top)
     finally:
         engine.close()
