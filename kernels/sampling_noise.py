@@ -194,13 +194,17 @@ def _gumbel_race_kernel(logits, temps, seeds, counters, best_scores, best_cols, 
     row's int64 in `picks` with an atomic max (the score's order-preserving bits above the column's
     complement: the highest score, then the lowest column, as argmax over the chunks then the columns), and
     the row's last program to arrive writes the token and puts `picks` (to `empty`) and `arrivals` (to 0)
-    back, so the next launch finds them ready: one launch instead of the race, an argmax and a gather."""
+    back, so the next launch finds them ready: one launch instead of the race, an argmax and a gather.
+    A PICK row of temperature 0 is skipped whole (its token left as it was): the sampler graphs' padding."""
     pdl_prologue(USE_PDL)  # kernels/pdl.py: before any memory access
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     seed = tl.load(seeds + row).to(tl.int64)
     counter = tl.load(counters + row).to(tl.int64)
     temp = tl.load(temps + row)
+    if PICK:
+        if temp == 0.0:  # a sampler graph's padding row (no real row races at T = 0): nothing to draw
+            return
     a, b = _row_keys(seed, counter, tl.full((), 0, tl.uint32), MUL1, MUL2, A0, B0)
     # each lane keeps its own best over the blocks (strictly better only: its lowest column on ties), and
     # the lanes are reduced once at the end: one cross-warp reduction per chunk instead of two per block
@@ -246,20 +250,23 @@ RACE_CHUNK = 4 * BLOCK  # columns per program of the fused race
 
 
 def gumbel_race(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
-                counters: torch.Tensor) -> torch.Tensor:
+                counters: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """argmax(logits / T + gumbel_noise(seeds, counters, 0)) per row, fused: the plain temperature
-    draw of the sampler without materialising the noise. logits [N, V] (last dim contiguous),
-    temperatures [N] float32, seeds / counters [N] int64 -> [N] int64."""
+    draw of the sampler without materialising the noise. logits [N, V] (last dim contiguous; float32,
+    or bf16 / fp16 raced as their float32 values), temperatures [N] float32, seeds / counters [N] int64
+    -> [N] int64 (`out` if given). A row of temperature 0 is skipped: its token is left as it was."""
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"gumbel_race: logits must be [N, V] with a contiguous last dim, got {tuple(logits.shape)}")
     rows, vocab = logits.shape
     if temperatures.shape != (rows,) or seeds.shape != (rows,) or counters.shape != (rows,):
         raise ValueError(f"gumbel_race: temperatures, seeds and counters must be [{rows}]")
+    if out is not None and (out.shape != (rows,) or out.dtype != torch.int64 or not out.is_contiguous()):
+        raise ValueError(f"gumbel_race: out must be a contiguous int64 [{rows}], got {tuple(out.shape)} {out.dtype}")
     if not rows or not vocab:
-        return torch.zeros(rows, device=logits.device, dtype=torch.int64)
+        return torch.zeros(rows, device=logits.device, dtype=torch.int64) if out is None else out.zero_()
     num_chunks = triton.cdiv(vocab, RACE_CHUNK)
     picks, arrivals = _race_state(logits.device, rows)
-    tokens = torch.empty(rows, device=logits.device, dtype=torch.int64)
+    tokens = torch.empty(rows, device=logits.device, dtype=torch.int64) if out is None else out
     _gumbel_race_kernel[(rows, num_chunks)](
         logits, temperatures.float().contiguous(), seeds.long().contiguous(), counters.long().contiguous(),
         tokens, tokens, vocab, logits.stride(0), num_chunks, tokens, tokens, tokens,  # unread with PICK

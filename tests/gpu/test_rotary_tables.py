@@ -1,5 +1,5 @@
 """The runner's rotary tables on CUDA: a step's gathered (cos, sin) rows are bit for bit the ones the
-model computed per step before (`RotaryEmbedding.forward` over the step's positions)."""
+model computed per step before (`RotaryEmbedding.forward` over the step's positions), one gather for both."""
 import pytest
 import torch
 
@@ -33,4 +33,6 @@ def test_gathered_rows_are_the_computed_bits(rope, dtype):
     for positions, (cos, sin) in zip(steps, computed):
         got_cos, got_sin = rotary.rows(positions, dtype)
         assert got_cos.equal(cos) and got_sin.equal(sin)
-        assert got_cos.is_contiguous() and got_sin.stride() == got_cos.stride()
+        # one gathered row per position: cos and sin are its two halves (what every rotary kernel takes)
+        assert got_sin.stride() == got_cos.stride() == (128, 1)
+        assert got_sin.data_ptr() == got_cos.data_ptr() + 64 * got_cos.element_size()

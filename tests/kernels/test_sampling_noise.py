@@ -117,6 +117,28 @@ def test_fused_race_leaves_its_scratch_as_it_found_it():
         assert picks.numel() >= rows and bool((picks == _PICK_EMPTY).all()) and bool((arrivals == 0).all())
 
 
+def test_fused_race_skips_rows_at_temperature_zero():
+    """The sampler graphs' padding rows (temperature 0): skipped whole, their token slot untouched, the
+    scratch still clean, and the real rows' tokens those of a launch without them; bf16 logits race as
+    their float32 values do."""
+    from spmd_engine.kernels.sampling_noise import _PICK_EMPTY, _race_state
+
+    gen = torch.Generator().manual_seed(3)
+    vocab = 2 * RACE_CHUNK + 9
+    logits = torch.randn(5, vocab, generator=gen).to(DEVICE)
+    temps = torch.tensor([0.7, 1.3, 0.0, 0.9, 0.0], device=DEVICE)
+    seeds, counters = torch.arange(5, device=DEVICE) + 5, torch.arange(5, device=DEVICE)
+    got = gumbel_race(logits, temps, seeds, counters, out=torch.full((5,), -7, device=DEVICE))
+    assert got[2].item() == got[4].item() == -7
+    real = [0, 1, 3]
+    assert torch.equal(got[real], gumbel_race(logits[real], temps[real], seeds[real], counters[real]))
+    picks, arrivals = _race_state(logits.device, 5)
+    assert bool((picks == _PICK_EMPTY).all()) and bool((arrivals == 0).all())
+    half = logits[real].to(torch.bfloat16)
+    assert torch.equal(gumbel_race(half, temps[real], seeds[real], counters[real]),
+                       gumbel_race(half.float(), temps[real], seeds[real], counters[real]))
+
+
 @pytest.mark.parametrize("width,vocab", [(7, 50), (NOISE_AT_BLOCK + 3, 5000), gpu_case(1024, 151_936)])
 def test_noise_at_columns_equals_the_gathered_noise(width, vocab):
     """The top-k path's noise at a few columns per row is the full noise at those columns, bit for bit

@@ -92,6 +92,7 @@ def test_tabulated_rows_are_the_computed_ones(rope):
     assert table_cos.shape == (2 * MAX_POS, HEAD_DIM // 2) and table_cos.dtype == torch.bfloat16
     cos, sin = rotary.rows(positions, torch.bfloat16)
     assert cos.equal(table_cos[positions]) and sin.equal(table_sin[positions])
+    assert cos.stride() == sin.stride() == (HEAD_DIM, 1)  # two views of one gathered row per position
     torch.testing.assert_close(cos, computed[0], atol=0, rtol=2 ** -7)  # bf16: within one rounding
     torch.testing.assert_close(sin, computed[1], atol=0, rtol=2 ** -7)
     assert rotary.rows(positions, torch.float32)[0].equal(rotary(positions)[0])  # another dtype: computed
