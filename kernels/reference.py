@@ -1,5 +1,5 @@
 """Plain-torch oracles for the KV-cache write (alone and after the q/k norm + rotary it is fused with),
-paged attention, the small-batch GEMV and the sampling-noise hash.
+paged attention, the small-batch GEMV, the sampling-noise hash and the deferred input ids' feed.
 
 They are the CPU path of the engine and the ground truth the Triton kernels are tested against.
 KV cache layout (every backend): [num_blocks, block_size, num_kv_heads, head_dim]. A
@@ -13,6 +13,12 @@ import numpy as np
 import torch
 
 from spmd_engine.kernels.kv_quant import check_kv_scales, quantize_fp8_reference, read_v_blocks, write_v_positions
+
+
+def feed_tokens_reference(input_ids: torch.Tensor, feed_rows: torch.Tensor, feed: torch.Tensor) -> None:
+    """In place: input_ids[i] = feed[feed_rows[i]] wherever feed_rows[i] >= 0 (kernels/feed_tokens.py)."""
+    fed = feed_rows >= 0
+    input_ids[fed] = feed[feed_rows[fed]]
 
 
 def store_kv_reference(

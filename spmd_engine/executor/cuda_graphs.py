@@ -44,9 +44,12 @@ def smallest_holding(sizes: list[int], n: int) -> int:
     return sizes[bisect.bisect_left(sizes, n)]
 
 
-def decode_step(model: torch.nn.Module, batch: ForwardBatch) -> torch.Tensor | None:
-    """What one graph records: forward over every (padded) row, then logits for every row in
-    `logits_indices` order (the sampled rows first, in plan order: the batch is longest-first)."""
+def decode_step(model: torch.nn.Module, batch: ForwardBatch, feed: torch.Tensor) -> torch.Tensor | None:
+    """What one graph records: the deferred input ids from `feed` (the runner's token feed, where the
+    previous step's tokens are by then: no eager launch between that step's draw and this graph), the
+    forward over every (padded) row, then logits for every row in `logits_indices` order (the sampled
+    rows first, in plan order: the batch is longest-first)."""
+    batch.feed_from(feed)
     hidden = model(batch.input_ids, batch.positions, batch.attn)
     return model.compute_logits(hidden.index_select(0, batch.logits_indices))
 
@@ -70,10 +73,11 @@ class DecodeGraphs:
 
     @classmethod
     @torch.inference_mode()
-    def capture(cls, model: torch.nn.Module, buffers: InputBuffers, max_num_seqs: int, pool=None,
-                pdl_max_rows: int = 0) -> DecodeGraphs:
+    def capture(cls, model: torch.nn.Module, buffers: InputBuffers, max_num_seqs: int, feed: torch.Tensor,
+                pool=None, pdl_max_rows: int = 0) -> DecodeGraphs:
         """Capture every size of `graph_batch_sizes(max_num_seqs)` over `buffers` (the runner's own:
-        the graphs read and write exactly those views); `pool`: a graph memory pool to share (the
+        the graphs read and write exactly those views) and the token `feed` (int64, >= max_num_seqs:
+        a replay takes its deferred inputs from there); `pool`: a graph memory pool to share (the
         piecewise graphs'), None for a new one. The graphs of at most `pdl_max_rows` rows launch their
         Triton kernels with Programmatic Dependent Launch (kernels/pdl.py; where it can run)."""
         from spmd_engine.kernels.pdl import pdl_launches
@@ -91,11 +95,11 @@ class DecodeGraphs:
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
                     for _ in range(WARMUP_RUNS):
-                        decode_step(model, batch)
+                        decode_step(model, batch, feed)
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                    logits = decode_step(model, batch)
+                    logits = decode_step(model, batch, feed)
             graphs[n] = _Graph(graph, logits)
         torch.cuda.synchronize()
         log.info("CUDA graphs: %d decode batch sizes (%s) captured in %.1f s, %.2f GiB reserved",
@@ -116,7 +120,8 @@ class DecodeGraphs:
         return rows, self.buffers.load(host, rows=rows, wait=False)
 
     def replay(self, rows: int, host: HostBatch) -> torch.Tensor | None:
-        """Replay graph `rows`; logits of the sampled rows on tp rank 0.
+        """Replay graph `rows` (its deferred inputs must be in the feed by now); logits of the sampled rows
+        on tp rank 0.
 
         The logits are a view of the graph's static output: valid until the next replay.
         """

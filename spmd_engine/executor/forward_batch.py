@@ -5,7 +5,7 @@ array is copied to the device once.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -13,6 +13,7 @@ import torch
 from spmd_engine.models.attention_metadata import AttentionMetadata
 from spmd_engine.core.plan import StepPlan
 from spmd_engine.executor.device_copy import to_device_async
+from spmd_engine.kernels.reference import feed_tokens_reference
 
 
 # What a field's length counts: the step's tokens T, its sequences B, B + 1, or B rows of max_blocks
@@ -39,8 +40,7 @@ BATCH_FIELDS: tuple[BatchField, ...] = (
     BatchField("positions", np.int64, TOKENS, 0),
     BatchField("slot_mapping", np.int64, TOKENS, -1),  # -1: the token's K/V is not stored
     BatchField("logits_indices", np.int64, SEQS, None),  # rows of the hidden states that get logits
-    BatchField("deferred_positions", np.int64, SEQS, None),
-    BatchField("deferred_rows", np.int64, SEQS, None),
+    BatchField("feed_rows", np.int64, TOKENS, -1),  # -1: the plan's id; r: the previous step's sampled token r
     BatchField("cu_seqlens_q", np.int32, SEQS_PLUS_ONE, None),  # a padding sequence is one token
     BatchField("seq_lens", np.int32, SEQS, 0),  # 0: attention reads nothing for the row
     BatchField("block_tables", np.int32, TABLE_ROWS, 0),  # last: a copy stops after the rows in use
@@ -62,13 +62,23 @@ class HostBatch:
     max_query_len: int
     max_seq_len: int
     is_decode: bool
-    # inputs the previous step sampled (see StepPlan): filled on the device before the forward
-    deferred_positions: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [D] int64
-    deferred_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [D] int64
+    # [T] int64: where each input id comes from, -1 (input_ids) or row r of the previous step's sampled
+    # tokens (StepPlan's deferred inputs, in batch order), written in on the device (kernels/feed_tokens.py);
+    # None: nothing deferred
+    feed_rows: np.ndarray | None = None
     # the first num_decode_seqs sequences have query length 1 (attention's decode slice)
     num_decode_seqs: int = 0
     # the plan's token i is row token_rows[i] of this batch (None: the same order)
     token_rows: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.feed_rows is None:
+            self.feed_rows = np.full(self.input_ids.shape[0], -1, dtype=np.int64)
+
+    @property
+    def num_fed(self) -> int:
+        """Inputs that take the previous step's sampled tokens."""
+        return int(np.count_nonzero(self.feed_rows >= 0))
 
     @property
     def num_seqs(self) -> int:
@@ -112,16 +122,26 @@ class ForwardBatch:
     positions: torch.Tensor
     attn: AttentionMetadata
     logits_indices: torch.Tensor
-    deferred_positions: torch.Tensor  # [D] int64, into input_ids
-    deferred_rows: torch.Tensor  # [D] int64, into the previous step's sampled tokens
+    feed_rows: torch.Tensor  # [T] int64: HostBatch.feed_rows
+    num_fed: int  # how many of feed_rows are >= 0 (known on the host)
 
     def fill_deferred(self, prev_tokens: torch.Tensor | None) -> None:
-        """Write the previous step's sampled tokens into the inputs waiting for them (no host sync)."""
-        if self.deferred_positions.numel() == 0:
+        """Write the previous step's sampled tokens into the inputs waiting for them (no host sync); a
+        decode graph does this itself, from the runner's token feed (cuda_graphs.decode_step)."""
+        if self.num_fed == 0:
             return
         if prev_tokens is None:
             raise RuntimeError("the plan defers inputs to the previous step's tokens, but none were given")
-        self.input_ids.index_copy_(0, self.deferred_positions, prev_tokens.index_select(0, self.deferred_rows))
+        self.feed_from(prev_tokens)
+
+    def feed_from(self, feed: torch.Tensor) -> None:
+        """input_ids[i] = feed[feed_rows[i]] wherever feed_rows[i] >= 0, in one launch on CUDA (what a
+        decode graph records, whatever the step defers), the torch reference elsewhere."""
+        if self.input_ids.is_cuda:
+            from spmd_engine.kernels.feed_tokens import feed_tokens
+            feed_tokens(self.input_ids, self.feed_rows, feed)
+        else:
+            feed_tokens_reference(self.input_ids, self.feed_rows, feed)
 
 
 def batch_order(query_lens: np.ndarray, seq_lens: np.ndarray) -> np.ndarray | None:
@@ -162,7 +182,7 @@ def build_host_batch(plan: StepPlan, block_tables: np.ndarray, block_size: int) 
     seq_lens = (num_computed + q).astype(np.int32)
     last_rows = cu[1:] - 1
     input_ids = plan.input_ids.astype(np.int64)
-    deferred_positions = plan.deferred_positions.astype(np.int64)
+    deferred_positions = plan.deferred_positions.astype(np.int64)  # plan token order
     token_rows = None
     if order is not None:
         plan_starts = np.zeros(len(q), dtype=np.int64)
@@ -184,8 +204,7 @@ def build_host_batch(plan: StepPlan, block_tables: np.ndarray, block_size: int) 
         max_query_len=int(q.max()) if len(q) else 0,
         max_seq_len=int(seq_lens.max()) if len(q) else 0,
         is_decode=plan.is_decode,
-        deferred_positions=deferred_positions,
-        deferred_rows=plan.deferred_rows.astype(np.int64),
+        feed_rows=_feed_rows(total, deferred_positions, plan.deferred_rows),
         num_decode_seqs=int((q == 1).sum()),
         token_rows=token_rows,
     )
@@ -217,11 +236,17 @@ def _decode_host_batch(plan: StepPlan, block_tables: np.ndarray, block_size: int
         max_query_len=1,
         max_seq_len=int(seq_lens.max()),
         is_decode=True,
-        deferred_positions=plan_rows[plan.deferred_positions.astype(np.int64)],
-        deferred_rows=plan.deferred_rows.astype(np.int64),
+        feed_rows=_feed_rows(num, plan_rows[plan.deferred_positions.astype(np.int64)], plan.deferred_rows),
         num_decode_seqs=num,
         token_rows=None if order is None else plan_rows,
     )
+
+
+def _feed_rows(num_tokens: int, positions: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """[T] int64: -1, and rows[i] at batch position positions[i] (StepPlan's deferred inputs)."""
+    feed_rows = np.full(num_tokens, -1, dtype=np.int64)
+    feed_rows[positions] = rows
+    return feed_rows
 
 
 def to_device(host: HostBatch, block_size: int, device: torch.device) -> ForwardBatch:
@@ -240,4 +265,4 @@ def to_device(host: HostBatch, block_size: int, device: torch.device) -> Forward
         num_decode_seqs=host.num_decode_seqs,
     )
     return ForwardBatch(put(host.input_ids), put(host.positions), attn, put(host.logits_indices),
-                        put(host.deferred_positions), put(host.deferred_rows))
+                        put(host.feed_rows), host.num_fed)

@@ -69,7 +69,6 @@ class InputBuffers:
     def fits(self, host: HostBatch, rows: int | None = None) -> bool:
         rows = host.num_seqs if rows is None else rows
         return (host.num_tokens <= self.max_tokens and rows <= self.max_seqs and rows <= self.max_tokens
-                and len(host.deferred_positions) <= self.max_seqs
                 and host.block_tables.shape[1] == self.max_blocks)
 
     def device_view(self, name: str, n: int) -> torch.Tensor:
@@ -118,7 +117,7 @@ class InputBuffers:
                 if spec.extent == TOKENS:
                     a[spec.name][num_tokens:pad_tokens] = spec.pad
             a["logits_indices"][len(host.logits_indices):] = 0
-        num_logits, num_deferred = len(host.logits_indices), len(host.deferred_positions)
+        num_logits = len(host.logits_indices)
         if for_graph:  # a decode graph gathers the hidden rows of logits_indices[:rows]: past the sampled
             a["logits_indices"][num_logits:rows] = np.arange(num_logits, rows)  # rows, real ones' logits unread
             num_logits = rows
@@ -142,5 +141,5 @@ class InputBuffers:
             max_query_len=host.max_query_len, max_seq_len=host.max_seq_len, block_size=self.block_size,
             is_decode=host.is_decode, num_decode_seqs=host.num_decode_seqs + rows - num_seqs)
         return ForwardBatch(d["input_ids"][:tokens], d["positions"][:tokens], attn, d["logits_indices"][:num_logits],
-                            d["deferred_positions"][:num_deferred], d["deferred_rows"][:num_deferred])
+                            d["feed_rows"][:tokens], host.num_fed)
 

@@ -101,7 +101,9 @@ class ModelRunner:
         if device.type == "cuda":
             self.inputs = InputBuffers(max(settings.max_num_batched_tokens, settings.max_num_seqs),
                                        settings.max_num_seqs, max_blocks, settings.block_size, device)
-        self.token_buffer: torch.Tensor | None = None  # the previous step's sampled tokens (ranks > 0)
+        # the token feed: where a decode graph takes its deferred inputs from (the previous step's sampled
+        # tokens: drawn into it by the sampler graphs, broadcast into it under TP, copied into it otherwise)
+        self.feed = torch.zeros(settings.max_num_seqs, dtype=torch.int64, device=device)
         # rank 0: float32 logits of the last launch's prompt-logprob rows (StepPlan.prompt_logits), or None
         self.last_prompt_logits: torch.Tensor | None = None
         self.graphs: DecodeGraphs | None = None
@@ -110,12 +112,12 @@ class ModelRunner:
         # a pool smaller than one sequence is refused by the engine right after this; capture nothing
         if self.use_graphs and self.num_blocks * settings.block_size >= settings.max_model_len:
             pool = torch.cuda.graph_pool_handle()  # one pool: the decode graphs' logits first, then the pieces
-            self.graphs = DecodeGraphs.capture(model, self.inputs, settings.max_num_seqs, pool,
+            self.graphs = DecodeGraphs.capture(model, self.inputs, settings.max_num_seqs, self.feed, pool,
                                                PDL_MAX_ROWS if settings.cuda_pdl else 0)
             self.pdl = settings.cuda_pdl and pdl_supported(device)
             static_logits = self.graphs.static_logits()  # empty on the ranks that do not sample
             if settings.sampler_graphs and static_logits:  # their own pool: see SamplerGraphs.capture
-                self.sampler_graphs = SamplerGraphs.capture(static_logits)
+                self.sampler_graphs = SamplerGraphs.capture(static_logits, out=self.feed)
             self.piecewise = PiecewiseGraphs.capture(model, self.inputs, settings.max_num_seqs,
                                                      piecewise_token_buckets(settings.max_num_batched_tokens),
                                                      CudaGraphCapture(pool))
@@ -256,7 +258,11 @@ class ModelRunner:
         if self.inputs is not None:  # the staged copy ran beside the step in flight's sampling
             self.inputs.wait_copied()
         if plan.num_prev_sampled:
-            batch.fill_deferred(self._share_tokens(prev_tokens, plan.num_prev_sampled))
+            prev = self._share_tokens(prev_tokens, plan.num_prev_sampled)
+            if staged.graph_rows is None:
+                batch.fill_deferred(prev)
+            elif prev.data_ptr() != self.feed.data_ptr():  # an eager draw's tokens: the graph reads the feed
+                self.feed[:prev.numel()].copy_(prev)
         self.last_prompt_logits = None
         if staged.graph_rows is not None:
             return self.graphs.replay(staged.graph_rows, staged.host)
@@ -298,11 +304,10 @@ class ModelRunner:
             if mine is None:
                 raise RuntimeError("a single rank must pass its own sampled tokens")
             return mine
-        if self.token_buffer is None or self.token_buffer.numel() < count:
-            self.token_buffer = torch.zeros(max(count, self.settings.max_num_seqs), dtype=torch.int64,
-                                            device=self.device)
-        shared = self.token_buffer[:count]
-        if mine is not None:
+        if count > self.feed.numel():
+            raise RuntimeError(f"{count} sampled tokens to share, the feed holds {self.feed.numel()} (max_num_seqs)")
+        shared = self.feed[:count]
+        if mine is not None and mine.data_ptr() != shared.data_ptr():  # a sampler graph drew into the feed
             shared.copy_(mine[:count])
         if self.replica is not None:
             self.replica.broadcast_tensor(shared)

@@ -320,28 +320,30 @@ def uniform_kind(batch: SamplingBatch) -> str | None:
 
 
 def sample_uniform(kind: str, logits: torch.Tensor, temperatures: torch.Tensor | None, seeds: torch.Tensor | None,
-                   counters: torch.Tensor | None) -> torch.Tensor:
+                   counters: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
     """The draw of a batch whose rows all take path `kind` ("greedy": argmax; "plain": the race over
-    logits / T with round-0 noise): logits [N, V] and keys [N] on one device -> tokens [N] int64.
+    logits / T with round-0 noise): logits [N, V] and keys [N] on one device -> tokens [N] int64 (into
+    `out` [N] if given: the sampler graphs draw into the runner's token feed).
     Why one function: the eager sampler and the sampler graphs (which capture it) run the same
     launches on the same inputs, so a row's token does not depend on which of them drew it."""
     if kind == "greedy":
-        return logits.argmax(dim=-1)
+        return logits.argmax(dim=-1) if out is None else torch.argmax(logits, dim=-1, out=out)
     if kind != "plain":
         raise ValueError(f"sample_uniform: kind must be one of {UNIFORM_KINDS}, got {kind!r}")
-    return _sample_plain(logits.float(), temperatures, seeds, counters)
+    return _sample_plain(logits.float(), temperatures, seeds, counters, out)
 
 
-def _sample_plain(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor
-                  ) -> torch.Tensor:
+def _sample_plain(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """Plain temperature sampling: the fused race on CUDA (the noise never leaves the registers), the
     race over z = logits / T elsewhere (the same tokens)."""
     if logits.device.type == "cuda":
         from spmd_engine.kernels.sampling_noise import gumbel_race
-        return gumbel_race(logits, temps, seeds, counters)
+        return gumbel_race(logits, temps, seeds, counters, out=out)
     # a true division: CUDA divides by a scalar as a multiply by the reciprocal, which would round
     # otherwise than another batch's per-row division
-    return _race(logits / temps[:, None], seeds, counters, 0)
+    tokens = _race(logits / temps[:, None], seeds, counters, 0)
+    return tokens if out is None else out.copy_(tokens)
 
 
 def path_of(row: SamplingRow) -> str:

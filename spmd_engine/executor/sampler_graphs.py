@@ -17,8 +17,11 @@ its own logits, seed, counter and temperature only. Every other step
 (top-k, top-p, mixed paths, rows with logits processors or logprobs, steps not replayed from a
 decode graph, or not sampling every row) keeps the eager sampler. Engine key `sampler_graphs`.
 
-The tokens a replay returns are its static output: valid until the next sampler replay, which the step
-loop queues only after the next step's forward has taken them (deferred inputs) and their readback.
+The tokens a replay returns are its static output, the first rows of the runner's token feed (where the
+next decode graph takes its deferred inputs from, with no eager launch between the two graphs): valid
+until the next sampler replay, which the step loop queues only after the next step's forward has taken
+them and after their readback (`ReadbackBuffers.fence`), or until the runner copies an eager draw's tokens
+into the feed, two launches later, when the host has read these back.
 """
 from __future__ import annotations
 
@@ -88,11 +91,12 @@ class _SamplerGraph:
     kind: str
     logits: torch.Tensor  # [rows, vocab]: the decode graph's static output
     keys: KeyViews
-    tokens: torch.Tensor  # [rows] int64: the static output
+    tokens: torch.Tensor  # [rows] int64: the static output (the first rows of the token feed, if one was given)
     graph: torch.cuda.CUDAGraph | None
 
-    def draw(self) -> torch.Tensor:
-        return sample_uniform(self.kind, self.logits, self.keys.temperatures, self.keys.seeds, self.keys.counters)
+    def draw(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        return sample_uniform(self.kind, self.logits, self.keys.temperatures, self.keys.seeds, self.keys.counters,
+                              out)
 
     def run(self) -> None:
         if self.graph is not None:
@@ -121,11 +125,14 @@ class SamplerGraphs:
 
     @classmethod
     @torch.inference_mode()
-    def capture(cls, logits_by_rows: dict[int, torch.Tensor], pool=None) -> "SamplerGraphs":
+    def capture(cls, logits_by_rows: dict[int, torch.Tensor], pool=None, out: torch.Tensor | None = None
+                ) -> "SamplerGraphs":
         """Capture both kinds for every decode graph size (`logits_by_rows`: rows -> that graph's static
         logits [rows, vocab] on this device), largest first, into `pool` (None: a new one, what the
         runner uses). Each draw runs once eagerly on a side stream first (Triton compiles the race
-        kernel outside the capture).
+        kernel outside the capture). `out` (int64, at least the largest size): every graph draws into
+        its first rows (the runner's token feed, which the next decode graph reads its inputs from);
+        None: each graph's own static output.
 
         Why not the decode graphs' pool: there a token output could lie in a decode graph's temporaries,
         and step N's tokens would then be safe only because every reader (the readback, the next step's
@@ -148,7 +155,7 @@ class SamplerGraphs:
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                    entry.tokens = entry.draw()
+                    entry.tokens = entry.draw(None if out is None else out[:rows])
                 entry.graph = graph
                 graphs[(rows, kind)] = entry
         torch.cuda.synchronize()

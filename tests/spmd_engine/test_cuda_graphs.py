@@ -69,10 +69,10 @@ def test_padded_decode_gives_the_same_logits_and_kv(runner):
     runner.execute(prefill)
     host = build_host_batch(decode, runner.mirror.apply(decode), BLOCK)
     with torch.inference_mode():
-        eager = decode_step(runner.model, to_device(host, BLOCK, runner.device))
+        eager = decode_step(runner.model, to_device(host, BLOCK, runner.device), runner.feed)
         cache_after_eager = [k.clone() for k, _ in runner.kv_caches]
         buffers = InputBuffers(8, 8, host.block_tables.shape[1], BLOCK, runner.device)
-        padded = decode_step(runner.model, buffers.load(host, rows=8))
+        padded = decode_step(runner.model, buffers.load(host, rows=8), runner.feed)
     assert padded.shape == (8, 97)
     torch.testing.assert_close(padded[:3], eager, atol=1e-5, rtol=1e-5)
     real = torch.zeros(40 * BLOCK, dtype=torch.bool)
@@ -97,8 +97,28 @@ def test_longest_first_batch_gives_the_plan_order_logits_of_row_order(runner, mo
     plan_order = build_host_batch(decode, tables, BLOCK)
     assert plan_order.seq_lens.tolist() == [6, 10, 4]
     with torch.inference_mode():
-        a = decode_step(runner.model, to_device(longest_first, BLOCK, runner.device))
-        b = decode_step(runner.model, to_device(plan_order, BLOCK, runner.device))
+        a = decode_step(runner.model, to_device(longest_first, BLOCK, runner.device), runner.feed)
+        b = decode_step(runner.model, to_device(plan_order, BLOCK, runner.device), runner.feed)
+    assert torch.equal(a, b)
+
+
+def test_a_graph_step_takes_its_deferred_inputs_from_the_feed(runner):
+    """What a decode graph records first: the rows whose ids the previous step drew read them from the token
+    feed (where the sampler graphs draw); the logits are those of the ids known on the host."""
+    import dataclasses
+
+    prefill, decode = three_sequence_plans(seed=2)
+    runner.execute(prefill)
+    host = build_host_batch(decode, runner.mirror.apply(decode), BLOCK)
+    known = host.input_ids.copy()
+    deferred = dataclasses.replace(host, input_ids=np.where(np.arange(3) == 1, known, 0),
+                                   feed_rows=np.array([2, -1, 0]))
+    runner.feed[:3] = torch.tensor([known[2], 99, known[0]])
+    with torch.inference_mode():
+        buffers = InputBuffers(8, 8, host.block_tables.shape[1], BLOCK, runner.device)
+        a = decode_step(runner.model, buffers.load(deferred, rows=4), runner.feed)
+        assert buffers.device_view("input_ids", 3).tolist() == known.tolist()
+        b = decode_step(runner.model, buffers.load(host, rows=4), runner.feed)  # the same K/V stored again
     assert torch.equal(a, b)
 
 

@@ -70,6 +70,7 @@ def test_deferred_inputs_are_filled_from_the_previous_steps_tokens():
                     sample=np.array([True, True, True]), deferred_positions=np.array([0], dtype=np.int32),
                     deferred_rows=np.array([2], dtype=np.int32), num_prev_sampled=3)
     host = build_host_batch(plan, np.array([[0, 1], [2, 3], [4, 0]], dtype=np.int32), block_size=4)
+    assert host.feed_rows.tolist() == [-1, 2, -1, -1]  # where each input comes from, in batch order
     batch = to_device(host, 4, torch.device("cpu"))
     batch.fill_deferred(torch.tensor([70, 71, 72]))
     assert batch.input_ids.tolist() == [6, 72, 8, 9]  # batch order: the decodes longest first (8, 5), then the chunk

@@ -65,7 +65,9 @@ def test_deferred_inputs_are_staged_and_filled_in_the_buffer():
     import dataclasses
 
     buffers = InputBuffers(max_tokens=16, max_seqs=4, max_blocks=3, block_size=4, device=CPU)
-    host = dataclasses.replace(decode_host(3), deferred_positions=np.array([0, 2]), deferred_rows=np.array([1, 0]))
+    host = dataclasses.replace(decode_host(3), feed_rows=np.array([1, -1, 0]))
+    assert host.num_fed == 2
     batch = buffers.load(host, rows=4)
+    assert batch.feed_rows.tolist() == [1, -1, 0, -1] and batch.num_fed == 2  # the padded row: -1, fed nothing
     batch.fill_deferred(torch.tensor([90, 91]))
     assert batch.input_ids.tolist() == [91, 41, 90, 0]  # the padded row keeps token 0
