@@ -261,8 +261,8 @@ class ModelRunner:
             prev = self._share_tokens(prev_tokens, plan.num_prev_sampled)
             if staged.graph_rows is None:
                 batch.fill_deferred(prev)
-            elif prev.data_ptr() != self.feed.data_ptr():  # an eager draw's tokens: the graph reads the feed
-                self.feed[:prev.numel()].copy_(prev)
+            else:  # the graph reads the feed
+                self._to_feed(prev, prev.numel())
         self.last_prompt_logits = None
         if staged.graph_rows is not None:
             return self.graphs.replay(staged.graph_rows, staged.host)
@@ -304,16 +304,20 @@ class ModelRunner:
             if mine is None:
                 raise RuntimeError("a single rank must pass its own sampled tokens")
             return mine
-        if count > self.feed.numel():
-            raise RuntimeError(f"{count} sampled tokens to share, the feed holds {self.feed.numel()} (max_num_seqs)")
-        shared = self.feed[:count]
-        if mine is not None and mine.data_ptr() != shared.data_ptr():  # a sampler graph drew into the feed
-            shared.copy_(mine[:count])
+        shared = self.feed[:count] if mine is None else self._to_feed(mine, count)
         if self.replica is not None:
             self.replica.broadcast_tensor(shared)
         else:
             broadcast_tensor(shared)
         return shared
+
+    def _to_feed(self, tokens: torch.Tensor, count: int) -> torch.Tensor:
+        """The first `count` of `tokens` as the feed's first rows, copied unless a sampler graph drew them there."""
+        if count > self.feed.numel():
+            raise RuntimeError(f"{count} sampled tokens for a feed of {self.feed.numel()} (max_num_seqs)")
+        if tokens.data_ptr() != self.feed.data_ptr():
+            self.feed[:count].copy_(tokens[:count])
+        return self.feed[:count]
 
     def apply_stop(self, plan: StepPlan) -> None:
         """The end of a generate call: forget the tables of the sequences it ran."""
