@@ -304,7 +304,7 @@ class ModelRunner:
             if mine is None:
                 raise RuntimeError("a single rank must pass its own sampled tokens")
             return mine
-        shared = self.feed[:count] if mine is None else self._to_feed(mine, count)
+        shared = self._to_feed(self.feed if mine is None else mine, count)  # ranks > 0: the broadcast fills it
         if self.replica is not None:
             self.replica.broadcast_tensor(shared)
         else:
