@@ -180,7 +180,7 @@ def _keep_best(score, cols, vocab, best, best_col):
 
 @triton.jit
 def _gumbel_race_kernel(logits, temps, seeds, counters, best_scores, best_cols, vocab, stride_row, num_chunks,
-                        chunk_max, chunk_sum, done_round, picks, arrivals, tokens, empty,
+                        chunk_max, done_round, picks, arrivals, tokens, empty,
                         CHUNK: tl.constexpr, BLOCK: tl.constexpr,
                         MUL1: tl.constexpr, MUL2: tl.constexpr, A0: tl.constexpr, B0: tl.constexpr,
                         CMUL: tl.constexpr, USE_PDL: tl.constexpr, WITH_STATS: tl.constexpr = False,
@@ -188,8 +188,8 @@ def _gumbel_race_kernel(logits, temps, seeds, counters, best_scores, best_cols, 
     """One program per (row, vocabulary chunk): the chunk's best logits / T + round-0 Gumbel noise and
     its column, the noise made in registers (no [N, V] tensor); ties go to the lowest column, as
     torch.argmax. Chunks rather than whole rows: a row per program leaves most of the GPU idle.
-    WITH_STATS (the nucleus draw's round 0): also the chunk's largest logits / T and its softmax sum
-    relative to that maximum, and every row marked undecided (done_round -1).
+    WITH_STATS (the nucleus draw's round 0): also the chunk's largest logits / T (the softmax sums wait for
+    the row's maximum: round 0's mass pass), and every row marked undecided (done_round -1).
     PICK (the plain draw): instead of storing its best, each program folds (score, lowest column) into the
     row's int64 in `picks` with an atomic max (the score's order-preserving bits above the column's
     complement: the highest score, then the lowest column, as argmax over the chunks then the columns), and
@@ -210,18 +210,14 @@ def _gumbel_race_kernel(logits, temps, seeds, counters, best_scores, best_cols, 
     # the lanes are reduced once at the end: one cross-warp reduction per chunk instead of two per block
     lane_best = tl.full((BLOCK,), float("-inf"), tl.float32)
     lane_col = tl.zeros((BLOCK,), tl.int32) + chunk * CHUNK
-    top = tl.full((), float("-inf"), tl.float32)
-    total = tl.full((), 0.0, tl.float32)
+    lane_top = tl.full((BLOCK,), float("-inf"), tl.float32)  # WITH_STATS: each lane's largest logits / T
     for offset in range(0, CHUNK, BLOCK):
         cols = chunk * CHUNK + offset + tl.arange(0, BLOCK)
         mask = cols < vocab
         x = tl.load(logits + row * stride_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
         z = tl.div_rn(x, temp)
-        if WITH_STATS:  # an online softmax sum: rescaled whenever the running maximum grows
-            new_top = tl.maximum(top, tl.max(tl.where(mask, z, float("-inf")), axis=0))
-            shift = tl.where(new_top == float("-inf"), 0.0, new_top)  # all -inf so far: nothing to add
-            total = total * tl.exp(top - shift) + tl.sum(tl.where(mask, tl.exp(z - shift), 0.0), axis=0)
-            top = new_top
+        if WITH_STATS:
+            lane_top = tl.maximum(lane_top, tl.where(mask, z, float("-inf")))
         score = z + _gumbel_from_hash(_column_hash(a, b, cols, MUL1, MUL2, CMUL))
         score = tl.where(mask, score, float("-inf"))
         better = score > lane_best
@@ -240,8 +236,7 @@ def _gumbel_race_kernel(logits, temps, seeds, counters, best_scores, best_cols, 
         tl.store(best_scores + row * num_chunks + chunk, best)
         tl.store(best_cols + row * num_chunks + chunk, best_col)
     if WITH_STATS:
-        tl.store(chunk_max + row * num_chunks + chunk, top)
-        tl.store(chunk_sum + row * num_chunks + chunk, total)
+        tl.store(chunk_max + row * num_chunks + chunk, tl.max(lane_top, axis=0))
         if chunk == 0:
             tl.store(done_round + row, -1)
 
@@ -269,7 +264,7 @@ def gumbel_race(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.T
     tokens = torch.empty(rows, device=logits.device, dtype=torch.int64) if out is None else out
     _gumbel_race_kernel[(rows, num_chunks)](
         logits, temperatures.float().contiguous(), seeds.long().contiguous(), counters.long().contiguous(),
-        tokens, tokens, vocab, logits.stride(0), num_chunks, tokens, tokens, tokens,  # unread with PICK
+        tokens, tokens, vocab, logits.stride(0), num_chunks, tokens, tokens,  # unread with PICK
         picks, arrivals, tokens, _PICK_EMPTY,
         CHUNK=RACE_CHUNK, BLOCK=BLOCK, MUL1=HASH_MUL1, MUL2=HASH_MUL2, A0=LANE_A, B0=LANE_B, CMUL=COLUMN_MUL,
         PICK=True, num_warps=4, **pdl_launch(logits.device))
@@ -334,15 +329,12 @@ def _row_top(chunk_max, row, num_chunks, CBLOCK: tl.constexpr):
 
 @triton.jit
 def _row_top_total(chunk_max, chunk_sum, row, num_chunks, CBLOCK: tl.constexpr):
-    """A row's largest logits / T and its softmax denominator relative to it, from the round-0
-    race's per-chunk maxima and sums."""
+    """A row's largest logits / T and its softmax denominator relative to it, from round 0's per-chunk
+    maxima (the race) and sums (its mass pass, already relative to the row's maximum)."""
     offs = tl.arange(0, CBLOCK)
     inside = offs < num_chunks
-    cmax = tl.load(chunk_max + row * num_chunks + offs, mask=inside, other=float("-inf"))
-    csum = tl.load(chunk_sum + row * num_chunks + offs, mask=inside, other=0.0)
-    top = tl.max(cmax, axis=0)
-    total = tl.sum(tl.where(cmax == float("-inf"), 0.0, csum * tl.exp(cmax - top)), axis=0)
-    return top, total
+    top = tl.max(tl.load(chunk_max + row * num_chunks + offs, mask=inside, other=float("-inf")), axis=0)
+    return top, tl.sum(tl.load(chunk_sum + row * num_chunks + offs, mask=inside, other=0.0), axis=0)
 
 
 @triton.jit
@@ -364,16 +356,20 @@ def _row_sum(values, row, num_chunks, CBLOCK: tl.constexpr):
 
 
 @triton.jit
-def _nucleus_mass_kernel(logits, temps, stride_row, vocab, num_chunks, race_scores, race_cols, chunk_max, mass,
-                         done_round, CHECK_DONE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+def _nucleus_mass_kernel(logits, temps, stride_row, vocab, num_chunks, race_scores, race_cols, chunk_max, chunk_sum,
+                         mass, done_round, ROUND0: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
                          CBLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     """One program per (row, chunk) of an undecided row: the chunk's share of the mass of tokens
-    likelier than the row's candidate of this round (relative to the row's maximum)."""
+    likelier than the row's candidate of this round (relative to the row's maximum). ROUND0 (every row
+    undecided): also the chunk's whole softmax mass, from the same exponentials (the race before it only
+    found the chunks' maxima: summing there, before the row's maximum is known, cost it an online rescale)."""
     pdl_prologue(USE_PDL)  # kernels/pdl.py: before any memory access
     row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
+    # the chunks in the reverse of the race's launch order: the first programs read the columns the race
+    # before read last, which are still in L2 (round 0: ~half of the rows' float32 logits at 129 rows)
+    chunk = num_chunks - 1 - tl.program_id(1)
     undecided = True
-    if CHECK_DONE:
+    if not ROUND0:
         undecided = tl.load(done_round + row) < 0
     if undecided:
         base = logits + row * stride_row
@@ -381,13 +377,20 @@ def _nucleus_mass_kernel(logits, temps, stride_row, vocab, num_chunks, race_scor
         cand = _row_candidate(race_scores, race_cols, row, num_chunks, CBLOCK)
         cand_key = _float_key(tl.div_rn(tl.load(base + cand).to(tl.float32), temp))
         top = _row_top(chunk_max, row, num_chunks, CBLOCK)
+        shift = tl.where(top == float("-inf"), 0.0, top)  # a row of -inf logits only: no mass anywhere
         acc = tl.zeros((BLOCK,), tl.float32)
+        every = tl.zeros((BLOCK,), tl.float32)
         for offset in range(0, CHUNK, BLOCK):
             cols = chunk * CHUNK + offset + tl.arange(0, BLOCK)
             mask = cols < vocab
             z = tl.div_rn(tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32), temp)
-            acc += tl.where(mask & (_float_key(z) > cand_key), tl.exp(z - top), 0.0)
+            e = tl.where(mask, tl.exp(z - shift), 0.0)
+            acc += tl.where(_float_key(z) > cand_key, e, 0.0)
+            if ROUND0:
+                every += e
         tl.store(mass + row * num_chunks + chunk, tl.sum(acc, axis=0))
+        if ROUND0:
+            tl.store(chunk_sum + row * num_chunks + chunk, tl.sum(every, axis=0))
 
 
 @triton.jit
@@ -498,6 +501,10 @@ def _mass_above(base, temp, top, vocab, lanes, cut, BLOCK: tl.constexpr):
 
 
 NUCLEUS_BLOCK = 2048  # columns per iteration of the finishing kernel's whole-row scans (one program per row)
+# (columns per iteration, warps) of the chunked passes: round 0's mass pass, whose programs all scan, and the
+# later rounds' race and mass passes, where only the rejected rows' programs scan (kernels/bench_nucleus.py)
+NUCLEUS_MASS_TILE = (BLOCK, 4)
+NUCLEUS_ROUND_TILE = (BLOCK, 4)
 NUCLEUS_CHUNKED_ROUNDS = 3  # rounds 0.. spread over (row, chunk) programs; the rest run a program per row
 
 
@@ -510,8 +517,8 @@ def nucleus_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ps: tor
     contiguous), temperatures / top_ps [N] float32, seeds / counters [N] int64 -> [N] int64.
 
     Cost: every scan of the first `chunked_rounds` rounds is spread over (row, chunk) programs, as
-    the plain race is: round 0 is that race (with each chunk's maximum and softmax sum), then one
-    chunked pass for the mass likelier than the candidate; each further round is a chunked race over
+    the plain race is: round 0 is that race (with each chunk's maximum), then one chunked pass for
+    the mass likelier than the candidate and the row's softmax sum; each further round is a chunked race over
     the still-allowed tokens and a chunked mass pass, where decided rows' programs return at once.
     A whole row scanned by one program is far slower (one SM for 150k logits, several times per
     rejected row), so that only serves rows rejected `chunked_rounds` times, with probability <=
@@ -564,20 +571,22 @@ def _launch_nucleus(logits, temperatures, top_ps, seeds, counters, out, rounds: 
     stride = logits.stride(0)
     _gumbel_race_kernel[grid](  # round 0, spread over the GPU
         logits, temperatures, seeds, counters, stats[0], race_cols[0], vocab, stride, num_chunks,
-        chunk_max, chunk_sum, done[0], race_cols[0], done[0], race_cols[0], 0,  # the PICK arguments: unread
+        chunk_max, done[0], race_cols[0], done[0], race_cols[0], 0,  # the PICK arguments: unread
         CHUNK=RACE_CHUNK, BLOCK=BLOCK, WITH_STATS=True, num_warps=4, **hashing, **pdl)
+    mass_block, mass_warps = NUCLEUS_MASS_TILE
+    round_block, round_warps = NUCLEUS_ROUND_TILE
     _nucleus_mass_kernel[grid](logits, temperatures, stride, vocab, num_chunks, stats[0], race_cols[0], chunk_max,
-                               mass, done[0], CHECK_DONE=False, CHUNK=RACE_CHUNK, BLOCK=BLOCK, CBLOCK=cblock,
-                               num_warps=4, **pdl)
+                               chunk_sum, mass, done[0], ROUND0=True, CHUNK=RACE_CHUNK, BLOCK=mass_block,
+                               CBLOCK=cblock, num_warps=mass_warps, **pdl)
     for rnd in range(1, chunked_rounds):
         prev, cur = (rnd - 1) % 2, rnd % 2
         _nucleus_round_kernel[grid](
             logits, temperatures, top_ps, seeds, counters, out, done[prev], done[cur], stride, vocab, num_chunks,
             stats[prev], race_cols[prev], chunk_max, chunk_sum, mass, stats[cur], race_cols[cur], rnd,
-            CHUNK=RACE_CHUNK, BLOCK=BLOCK, CBLOCK=cblock, num_warps=4, **hashing, **pdl)
+            CHUNK=RACE_CHUNK, BLOCK=round_block, CBLOCK=cblock, num_warps=round_warps, **hashing, **pdl)
         _nucleus_mass_kernel[grid](logits, temperatures, stride, vocab, num_chunks, stats[cur], race_cols[cur],
-                                   chunk_max, mass, done[cur], CHECK_DONE=True, CHUNK=RACE_CHUNK, BLOCK=BLOCK,
-                                   CBLOCK=cblock, num_warps=4, **pdl)
+                                   chunk_max, chunk_sum, mass, done[cur], ROUND0=False, CHUNK=RACE_CHUNK,
+                                   BLOCK=round_block, CBLOCK=cblock, num_warps=round_warps, **pdl)
     last = (chunked_rounds - 1) % 2
     _nucleus_finish_kernel[(rows,)](
         logits, temperatures, top_ps, seeds, counters, out, done[last], vocab, stride, num_chunks,

@@ -9,6 +9,7 @@ without the profiler give the step's wall time: above the kernels' sum is what r
     python launch/kernel_profile.py                         # Qwen3-0.6B dummy weights, batch 1 and 256
     python launch/kernel_profile.py --model qwen3 --batch 64 --context 2000 --set kv_cache_dtype=fp8
     python launch/kernel_profile.py --whole-bench           # kernel totals over the nano-vllm bench run
+    python launch/kernel_profile.py --batch 129 --top-p 1 0.95   # the default nucleus against plain temperature
     python launch/kernel_profile.py --prefill-steps 5       # 8,190-token prefill steps (both: prefix cache off)
     python launch/kernel_profile.py --boundary              # the bench's GPU timeline between decode steps
 """
@@ -41,12 +42,12 @@ def wall_seconds(engine, requests) -> float:
     return time.perf_counter() - start
 
 
-def per_step(engine, batch: int, context: int, short: int, long: int, top: int) -> None:
+def per_step(engine, batch: int, context: int, short: int, long: int, top: int, top_p: float = 1.0) -> None:
     from spmd_engine.job.workloads import bench_requests
 
     def requests(out: int):
         return bench_requests({"num_seqs": batch, "min_input_len": context, "max_input_len": context,
-                               "min_output_len": out, "max_output_len": out})
+                               "min_output_len": out, "max_output_len": out, "top_p": top_p})
 
     engine.generate(requests(4))  # compile and warm every kernel of this shape first
     a, b = kernel_times(engine, requests(short)), kernel_times(engine, requests(long))
@@ -57,7 +58,7 @@ def per_step(engine, batch: int, context: int, short: int, long: int, top: int) 
     wall_ms *= 1e3 / steps
     rows = [((b[k][0] - a.get(k, (0.0, 0))[0]) / steps, (b[k][1] - a.get(k, (0.0, 0))[1]) / steps, k) for k in b]
     kernels_ms = sum(r[0] for r in rows) / 1e3
-    print(f"--- batch {batch}, context {context + short}..{context + long}: GPU per decode step "
+    print(f"--- batch {batch}, context {context + short}..{context + long}, top_p {top_p:g}: GPU per decode step "
           f"{kernels_ms:.3f} ms (difference of {steps} steps); wall per decode step {wall_ms:.3f} ms "
           f"({wall_ms - kernels_ms:+.3f} ms beside the kernels)")
     for us, calls, name in sorted(rows, reverse=True)[:top]:
@@ -116,6 +117,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, nargs=2, default=[16, 48], metavar=("SHORT", "LONG"),
                    help="the two output lengths")
     p.add_argument("--top", type=int, default=18)
+    p.add_argument("--top-p", type=float, nargs="+", default=[1.0], metavar="P",
+                   help="the requests' top_p (the bench's workload.top_p), one profile each; 1: plain temperature")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an engine key (yaml value)")
     p.add_argument("--whole-bench", action="store_true", help="instead: kernel totals over the bench workload")
     p.add_argument("--boundary", action="store_true",
@@ -142,16 +145,18 @@ def main() -> None:
         from spmd_engine.job.workloads import bench_requests
 
         if args.whole_bench:
-            table(engine, bench_requests({}), 1, "bench run", args.top)
+            for top_p in args.top_p:
+                table(engine, bench_requests({"top_p": top_p}), 1, f"bench run (top_p {top_p:g})", args.top)
         if args.boundary:
-            boundary(engine, bench_requests({}))
+            boundary(engine, bench_requests({"top_p": args.top_p[0]}))
         if args.prefill_steps:
             n = 15 * args.prefill_steps
             prompts = bench_requests({"num_seqs": n, "min_input_len": 546, "max_input_len": 546, "min_output_len": 1,
                                       "max_output_len": 1, "random_seed": 99})
             table(engine, prompts, args.prefill_steps, "8,190-token prefill step", args.top)
         for batch in [] if args.whole_bench or args.prefill_steps or args.boundary else args.batch:
-            per_step(engine, batch, args.context, args.steps[0], args.steps[1], args.top)
+            for top_p in args.top_p:
+                per_step(engine, batch, args.context, args.steps[0], args.steps[1], args.top, top_p)
     finally:
         engine.close()
 

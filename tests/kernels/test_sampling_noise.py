@@ -217,6 +217,20 @@ def test_nucleus_kernel_rounds_split_between_chunked_and_row_programs(chunked_ro
     assert got.tolist() == _sample_nucleus(logits / temps[:, None], top_p, seeds, counters).tolist()
 
 
+def test_nucleus_kernel_counts_every_chunks_mass():
+    """Rows whose mass is spread evenly over four chunks (the last partial) and top_p values that reject
+    about half of the candidates: each chunk's share of the mass likelier than the candidate and of the
+    softmax sum (round 0's mass pass makes both) decides the row, so a chunk left out or counted twice
+    changes tokens against the torch path."""
+    from spmd_engine.executor.sampler import NUCLEUS_ROUNDS, _sample_nucleus
+    rows, vocab = 16, 3 * RACE_CHUNK + 5
+    gen, temps, seeds, counters = _nucleus_inputs(rows, vocab, 9)
+    logits = (0.5 * torch.randn(rows, vocab, generator=gen)).to(DEVICE)
+    top_p = (0.2 + 0.6 * torch.rand(rows, generator=gen)).to(DEVICE)
+    got = nucleus_sample(logits, temps, top_p, seeds, counters, NUCLEUS_ROUNDS)
+    assert got.tolist() == _sample_nucleus(logits / temps[:, None], top_p, seeds, counters).tolist()
+
+
 def test_nucleus_kernel_keeps_tied_tokens_and_checks_shapes():
     """All tokens tie: none is strictly likelier, so every token is in the nucleus (no bisection cut
     at an arbitrary rank); bad shapes raise."""
