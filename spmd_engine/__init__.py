@@ -5,6 +5,11 @@
 gets no generic top-level `models` or `kernels`; in a plain checkout (tests, `python run.py`)
 the finder below resolves the same two names to the same folders. Import them only by these
 names: `import models` from the repository root would load a second copy of every module.
+
+Neither folder has an `__init__.py` (both are namespace packages): with the checkout on sys.path, a
+regular package of the same generic name installed elsewhere still wins the top-level name. Hugging Face's
+`kernels`, which transformers >= 5.25 requires and imports with its modeling code, would otherwise resolve
+to this repository's `kernels/` and fail to import.
 """
 from __future__ import annotations
 
@@ -23,9 +28,9 @@ class _CheckoutFolders(importlib.abc.MetaPathFinder):
 
     def find_spec(self, fullname, path=None, target=None):
         folder = _FOLDERS.get(fullname)
-        if folder is None or (_PACKAGE_DIR / folder.name).is_dir() or not (folder / "__init__.py").is_file():
+        if folder is None or (_PACKAGE_DIR / folder.name).is_dir() or not folder.is_dir():
             return None  # not ours, or an installed copy already holds it inside the package
-        return importlib.machinery.PathFinder.find_spec(fullname, [str(folder.parent)])
+        return importlib.machinery.PathFinder.find_spec(fullname, [str(folder.parent)])  # a namespace package
 
 
 if not any(isinstance(f, _CheckoutFolders) for f in sys.meta_path):

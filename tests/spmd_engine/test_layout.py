@@ -93,5 +93,25 @@ def test_models_and_kernels_are_imported_by_one_name():
 def test_every_package_folder_is_installed_under_spmd_engine():
     setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
     assert setuptools["package-dir"] == {name: str(folder.relative_to(REPO)) for name, folder in FOLDERS.items()}
-    folders = {name for name, path in MODULES.items() if path.name == "__init__.py"}
+    # every folder holding a module is a package, namespace ones (no __init__.py) included
+    folders = {name.rpartition(".")[0] if path.name != "__init__.py" else name for name, path in MODULES.items()}
     assert set(setuptools["packages"]) == folders
+
+
+def test_an_installed_package_named_like_a_top_level_folder_wins_that_name(tmp_path):
+    """With the checkout first on sys.path (`python run.py`, pytest), `import kernels` must still find an
+    installed regular package of that name (Hugging Face's, which transformers >= 5.25 imports with its
+    modeling code), not this repository's folder: so models/ and kernels/ carry no __init__.py."""
+    import subprocess
+    import sys
+
+    for name in ("models", "kernels"):
+        assert not (REPO / name / "__init__.py").exists(), name
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text("WHO = 'installed'\n")
+    code = ("import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import kernels, models, spmd_engine.kernels.reference; "
+            "print(kernels.WHO, models.WHO, spmd_engine.kernels.reference.__file__)")
+    out = subprocess.run([sys.executable, "-c", code, str(REPO), str(tmp_path)], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out[:2] == ["installed", "installed"]
+    assert out[2] == str(REPO / "kernels" / "reference.py")
