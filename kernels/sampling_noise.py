@@ -366,7 +366,7 @@ def _nucleus_mass_kernel(logits, temps, stride_row, vocab, num_chunks, race_scor
     pdl_prologue(USE_PDL)  # kernels/pdl.py: before any memory access
     row = tl.program_id(0).to(tl.int64)
     # the chunks in the reverse of the race's launch order: the first programs read the columns the race
-    # before read last, which are still in L2 (round 0: ~half of the rows' float32 logits at 129 rows)
+    # before read last, which are still in L2 (at 129 rows the float32 logits are 78 MB, the H200's L2 50 MB)
     chunk = num_chunks - 1 - tl.program_id(1)
     undecided = True
     if not ROUND0:
