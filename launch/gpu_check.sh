@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks and benchmarks of docs/BENCHMARKS.md, in one call on an H200 machine (2 GPUs for tp).
+# The GPU checks and bench runs behind docs/PERFORMANCE.md, in one go on an H200 machine (2 GPUs for tp).
 #   bash launch/gpu_check.sh [STAGE ...]
 #   stages: tests fused sampler qwen3 qwen3_p1 qwen3_p95 sync bs1 prefill tp tp_sync qwen3_tp2 sweep profile pdl (default: all)
 # Logs go to $OUT/log.txt (OUT defaults to ./gpu_check_out), every run's metrics.json to $OUT/metrics.tgz,
@@ -34,8 +34,8 @@ for stage in $stages; do
         tests/kernels/test_silu_and_mul.py tests/kernels/test_sampling_noise.py tests/spmd_engine/test_sampler.py \
         -q -x -p no:cacheprovider 2>&1 | tee -a "$LOG" | tail -15 ;;
     fused)
-      note "fused: kernels/bench_fused_ops.py"
-      CUDA_VISIBLE_DEVICES=0 timeout -k 10 120 python kernels/bench_fused_ops.py 2>&1 | tee -a "$LOG" ;;
+      note "fused: launch/bench/bench_fused_ops.py"
+      CUDA_VISIBLE_DEVICES=0 timeout -k 10 120 python launch/bench/bench_fused_ops.py 2>&1 | tee -a "$LOG" ;;
     sampler)
       note "sampler: one step's sampling of 256 rows x Qwen3 vocab (median ms)"
       CUDA_VISIBLE_DEVICES=0 timeout -k 10 60 python - <<'PY' 2>&1 | tee -a "$LOG"
@@ -88,7 +88,7 @@ PY
     tp_sync)
       run q8b_tp2_sync 240 "${TORCHRUN[@]}" run.py model=qwen3_8b "${BENCH[@]}" async_scheduling=false
       run q8b_tp2_model_reduce 240 "${TORCHRUN[@]}" run.py model=qwen3_8b "${BENCH[@]}" tp_reduce_dtype=model ;;
-    sweep)  # docs/BENCHMARKS.md, "How to run a sweep that shows capacity"
+    sweep)  # conf/workload/sweep.yaml: a sweep that shows capacity (KV blocks against throughput)
       note "sweep: workload=sweep, block_size=16,256 x gpu_memory_utilization=0.08,0.9 x 2 repeats, eager"
       CUDA_VISIBLE_DEVICES=0 timeout -k 10 300 python run.py -m model=qwen3 model.load_format=dummy workload=sweep \
         enforce_eager=true +repeat=0,1 block_size=16,256 gpu_memory_utilization=0.08,0.9 \
@@ -98,13 +98,13 @@ PY
         2>&1 | tee -a "$LOG" "$OUT/sweep.txt" >/dev/null
       cp "$WORK/sweep/sweep.png" "$OUT/" 2>/dev/null || true ;;
     profile)
-      note "profile: GPU time per decode step by kernel, batch 1 and 256 (launch/kernel_profile.py)"
-      CUDA_VISIBLE_DEVICES=0 timeout -k 10 200 python launch/kernel_profile.py 2>&1 | grep -v Warning | tee -a "$LOG" ;;
+      note "profile: GPU time per decode step by kernel, batch 1 and 256 (launch/bench/kernel_profile.py)"
+      CUDA_VISIBLE_DEVICES=0 timeout -k 10 200 python launch/bench/kernel_profile.py 2>&1 | grep -v Warning | tee -a "$LOG" ;;
     pdl)  # Programmatic Dependent Launch (cuda_pdl): its checks, the graph A/B, then the engine with it on
-      note "pdl: tests/kernels/test_pdl.py (sm_90 PTX order) + kernels/bench_pdl.py (decode step graph, off vs on)"
+      note "pdl: tests/kernels/test_pdl.py (sm_90 PTX order) + launch/bench/bench_pdl.py (decode step graph, off vs on)"
       CUDA_VISIBLE_DEVICES=0 timeout -k 10 300 python -m pytest tests/kernels/test_pdl.py tests/gpu/test_pdl.py -q -x \
         -p no:cacheprovider 2>&1 | tee -a "$LOG" | tail -5
-      CUDA_VISIBLE_DEVICES=0 timeout -k 10 300 python kernels/bench_pdl.py 2>&1 | grep -v Warning | tee -a "$LOG"
+      CUDA_VISIBLE_DEVICES=0 timeout -k 10 300 python launch/bench/bench_pdl.py 2>&1 | grep -v Warning | tee -a "$LOG"
       CUDA_VISIBLE_DEVICES=0 run bs1_pdl 120 python run.py model=qwen3 "${BENCH[@]}" workload.num_seqs=1 cuda_pdl=true
       CUDA_VISIBLE_DEVICES=0 run qwen3_pdl 200 python run.py model=qwen3 "${BENCH[@]}" max_model_len=4096 cuda_pdl=true ;;
     *) note "unknown stage $stage" ;;

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from spmd_engine.kernels import decode_attention, gemv, pdl
-from spmd_engine.kernels.bench_fused_ops import capture
 from tests.gpu.engine_setup import GPU, PROMPTS, make_llm, tiny_bf16_checkpoint
+from tests.helpers.decode_step import DecodeStep
+from tests.helpers.graph_capture import capture
 
 HOPPER = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                             reason="PDL needs compute capability 9.0+")
@@ -55,14 +56,13 @@ def test_pdl_runs_on_this_gpu():
 @pytest.mark.parametrize("batch", [1, 64])
 @pytest.mark.parametrize("one_launch", [True, False])  # split-K sums and split merges fused, or second launches
 def test_decode_step_kernels_same_bits(batch, one_launch, monkeypatch):
-    """The bench's Qwen3-0.6B-shaped decode step (kernels/bench_pdl.py): RMSNorm, GEMV, q/k norm + rotary + KV
-    store, split-KV decode attention, the LM head; at 64 rows cuBLAS matmuls and silu_and_mul in between."""
-    from spmd_engine.kernels import bench_pdl
-
-    monkeypatch.setattr(bench_pdl, "LAYERS", 4)  # every kernel of a layer; 28 would only take longer
+    """The benches' Qwen3-0.6B-shaped decode step (tests/helpers/decode_step.py): RMSNorm, GEMV, q/k norm +
+    rotary + KV store, split-KV decode attention, the LM head; at 64 rows cuBLAS matmuls and silu_and_mul in
+    between."""
     monkeypatch.setattr(gemv, "SPLIT_K_ONE_LAUNCH", one_launch)
     monkeypatch.setattr(decode_attention, "DECODE_FUSED_MERGE", one_launch)
-    step = bench_pdl.DecodeStep(batch, context=300)  # 3 splits of the decode attention at batch 1
+    # 4 layers: every kernel of a layer (28 would only take longer); 3 splits of the decode attention at batch 1
+    step = DecodeStep(batch, context=300, layers=4)
 
     def run():
         step.run()

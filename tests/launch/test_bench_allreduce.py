@@ -1,5 +1,5 @@
-"""launch/bench_allreduce.py runs as documented: 2 gloo ranks under torchrun print the machine and one
-table row per message (the GPU columns are the lead's run; this keeps the script runnable)."""
+"""launch/bench/bench_allreduce.py runs as documented: 2 gloo ranks under torchrun print the machine and one
+table row per message (the GPU columns need 2 GPUs; this keeps the script runnable)."""
 from __future__ import annotations
 
 import os
@@ -12,7 +12,7 @@ from tests.helpers.run_engine import LAUNCH_VARS, REPO
 def test_bench_allreduce_smoke_on_two_cpu_ranks():
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "launch/bench_allreduce.py", "--device", "cpu", "--iters", "3", "--warmup", "1", "--dtypes", "float32",
+           "launch/bench/bench_allreduce.py", "--device", "cpu", "--iters", "3", "--warmup", "1", "--dtypes", "float32",
            "--decode-tokens", "1,2", "--prefill-tokens", "8"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""launch/host_step_bench.py runs as the README shows: rank 0's real step loop over a stub runner prints the
+"""launch/bench/host_step_bench.py runs as the README shows: rank 0's real step loop over a stub runner prints the
 phase table and the outputs' digest (it broke once when the runner grew a method the stub lacked)."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from tests.helpers.run_engine import REPO
 
 
 def test_host_step_bench_runs_the_step_loop_to_the_end():
-    cmd = [sys.executable, "launch/host_step_bench.py", "--num-seqs", "12", "--max-output-len", "110",
+    cmd = [sys.executable, "launch/bench/host_step_bench.py", "--num-seqs", "12", "--max-output-len", "110",
            "--max-input-len", "200", "--profile"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -91,7 +91,7 @@ def test_report_command_on_the_sweep(sweep_dir: Path, capsys) -> None:
 
 
 def test_the_preset_oversubscribes_a_small_qwen3_pool() -> None:
-    """The numbers conf/workload/sweep.yaml and docs/BENCHMARKS.md quote: 244,078 KV tokens resident at
+    """The numbers conf/workload/sweep.yaml quotes: 244,078 KV tokens resident at
     once, 26 GiB of Qwen3-0.6B KV: 4x a gpu_memory_utilization=0.08 pool, a fifth of a 0.9 one."""
     import yaml
 
@@ -136,7 +136,7 @@ def _replay_scheduler(requests: list, pool_tokens: int, block_size: int) -> tupl
 
 
 def test_the_preset_preempts_at_a_small_pool_only() -> None:
-    """docs/BENCHMARKS.md's replay: ~62k tokens (Qwen3-0.6B at gpu_memory_utilization 0.08, eager)
+    """conf/workload/sweep.yaml's replay: ~62k tokens (Qwen3-0.6B at gpu_memory_utilization 0.08, eager)
     preempts and takes ~3x the steps; ~1.1M tokens (0.9) holds every request at once."""
     import yaml
 

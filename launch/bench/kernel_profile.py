@@ -6,16 +6,18 @@ lengths under torch.profiler and divides the difference of each kernel's GPU tim
 steps: what one decode step of that batch and context costs, kernel by kernel. The same two calls timed
 without the profiler give the step's wall time: above the kernels' sum is what runs between them.
 
-    python launch/kernel_profile.py                         # Qwen3-0.6B dummy weights, batch 1 and 256
-    python launch/kernel_profile.py --model qwen3 --batch 64 --context 2000 --set kv_cache_dtype=fp8
-    python launch/kernel_profile.py --whole-bench           # kernel totals over the nano-vllm bench run
-    python launch/kernel_profile.py --batch 129 --top-p 1 0.95   # the default nucleus against plain temperature
-    python launch/kernel_profile.py --prefill-steps 5       # 8,190-token prefill steps (both: prefix cache off)
-    python launch/kernel_profile.py --boundary              # the bench's GPU timeline between decode steps
+    python launch/bench/kernel_profile.py                         # Qwen3-0.6B dummy weights, batch 1 and 256
+    python launch/bench/kernel_profile.py --model qwen3 --batch 64 --context 2000 --set kv_cache_dtype=fp8
+    python launch/bench/kernel_profile.py --whole-bench           # kernel totals over the nano-vllm bench run
+    python launch/bench/kernel_profile.py --batch 129 --top-p 1 0.95   # the default nucleus against plain temperature
+    python launch/bench/kernel_profile.py --prefill-steps 5       # 8,190-token prefill steps (both: prefix cache off)
+    python launch/bench/kernel_profile.py --boundary              # the bench's GPU timeline between decode steps
 """
 from __future__ import annotations
 
 import argparse
+
+import repo_root  # noqa: F401  (this checkout's engine, before any import of it)
 
 
 def kernel_times(engine, requests) -> dict[str, tuple[float, int]]:

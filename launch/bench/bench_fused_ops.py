@@ -2,7 +2,7 @@
 
 One step's non-matmul, non-attention work (28 layers x: residual add + RMSNorm twice, per-head q/k
 RMSNorm (one launch for both), rotary on q and k, SiLU-and-mul; at small batch the engine folds
-the SiLU-and-mul into the down_proj GEMV instead, see kernels/bench_gemv.py) is captured in a CUDA
+the SiLU-and-mul into the down_proj GEMV instead, see launch/bench/bench_gemv.py) is captured in a CUDA
 graph both ways and the replays are timed, so launch gaps count as they do in the engine's decode
 graphs. Also checks the fused
 outputs against the torch ones.
@@ -10,7 +10,7 @@ outputs against the torch ones.
 Second table: the attention prologue per layer (q/k per-head norm, rotary on q and k, the KV store,
 bf16 and fp8 caches), today's four Triton launches (rms_norm_pair, apply_rotary x2, store_kv) against
 the one `qk_norm_rope_store` launch, 28 layers per graph; "same bits" compares q and both caches byte
-for byte. Run: `PYTHONPATH=. python kernels/bench_fused_ops.py`.
+for byte. Run: `python launch/bench/bench_fused_ops.py`.
 """
 from __future__ import annotations
 
@@ -18,12 +18,14 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
+import repo_root  # noqa: F401  (this checkout's engine, before any import of it)
 from spmd_engine.kernels.kv_quant import FP8_DTYPE
 from spmd_engine.kernels.kv_store import store_kv
 from spmd_engine.kernels.qk_norm_rope_store import qk_norm_rope_store, rows_per_program
 from spmd_engine.kernels.rms_norm import rms_norm, rms_norm_pair
 from spmd_engine.kernels.rotary import apply_rotary
 from spmd_engine.kernels.silu_and_mul import silu_and_mul
+from tests.helpers.graph_capture import capture
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, EPS = 28, 1024, 16, 8, 128, 3072, 1e-6  # Qwen3-0.6B
 
@@ -87,21 +89,8 @@ def step(tokens: int, norm, qk_norm, rotary, silu):
     return run
 
 
-def capture(fn):
-    """fn run once on a side stream (compiles and warms up, as the engine does before capture), then
-    captured in a CUDA graph: (the graph, what fn returned during capture)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = fn()
-    return graph, outs
-
-
 def graph_ms(fn) -> float:
+    """Median ms of one replay of fn captured in a CUDA graph (launch gaps count as in the engine's graphs)."""
     graph, _ = capture(fn)
     return triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
 

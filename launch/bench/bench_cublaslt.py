@@ -1,14 +1,15 @@
 """Every cuBLASLt algorithm its heuristic offers for the decode step's projections, timed in CUDA graphs.
 
-Why: at 32-256 rows the four projections of a Qwen3-0.6B layer take ~27 µs (docs/BENCHMARKS.md session 22:
+Why: at 32-256 rows the four projections of a Qwen3-0.6B layer take ~27 µs (`launch/bench/bench_l2_weights.py`:
 latency-bound in cuBLAS, not by HBM) against ~8 µs of weight bytes, and torch offers no choice of GEMM
-algorithm on this build (TunableOp lists only `Default`: session 21). cuBLASLt's own API ranks many
+algorithm on this build (TunableOp lists only `Default` on torch 2.11 + CUDA 13.0). cuBLASLt's own API ranks many
 candidates per shape (tile, split-K, stages); this times each one as the engine runs it (28 layers of
 distinct weights per graph, so the weights come from HBM) against `F.linear`, and says whether its output
 is bit for bit `F.linear`'s. The library is reached by ctypes from torch's own CUDA wheels, as
-kernels/cuda_rtc.py reaches NVRTC. CUDA only:
+kernels/cuda_rtc.py reaches NVRTC. H200, 129 rows: the best candidates 26.60 µs a layer against F.linear's
+26.89, 8 µs a step (0.2 %): no cuBLASLt path of our own. CUDA only:
 
-    PYTHONPATH=. python kernels/bench_cublaslt.py [--rows 32 129 256] [--algos 32]
+    python launch/bench/bench_cublaslt.py [--rows 32 129 256] [--algos 32]
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from spmd_engine.kernels.bench_fused_ops import graph_ms
+import repo_root  # noqa: F401  (this checkout's engine, before any import of it)
+from bench_fused_ops import graph_ms
 
 # cublasLt.h / library_types.h values (CUDA 12 and 13)
 CUBLAS_COMPUTE_32F = 68

@@ -2,7 +2,7 @@
 
 Decode is bandwidth-bound (reported as achieved GB/s over the K/V bytes it must read); prefill is
 compute-bound (reported as TFLOP/s over the causal QK^T and PV products). Every row also shows the
-relative error against `kernels/reference.py`. Run: `PYTHONPATH=. python kernels/bench_attention.py`
+relative error against `kernels/reference.py`. Run: `python launch/bench/bench_attention.py`
 (`--sweep` additionally times a grid of tile configs to pick the defaults; `--splits` times only batch-1
 decode by split count, the basis of MIN_TOKENS_PER_SPLIT; `--kv-fp8` stores the caches
 as float8 e4m3 with per-KV-head scales, the `kv_cache_dtype=fp8` path: GB/s then counts 1-byte K/V, and
@@ -22,6 +22,7 @@ from functools import lru_cache
 import torch
 import triton.testing
 
+import repo_root  # noqa: F401  (this checkout's engine, before any import of it)
 from spmd_engine.kernels.decode_attention import (
     DecodeConfig,
     default_decode_config,

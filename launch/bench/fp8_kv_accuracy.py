@@ -8,8 +8,8 @@ positions run as batched decode steps, so both attention paths read fp8 K/V. Rep
 mode: top-1 agreement with the unquantized cache, how close the flipped positions were to a tie,
 and the perplexity of the text under each cache.
 
-CPU (torch reference attention, float32):  PYTHONPATH=. python launch/fp8_kv_accuracy.py
-GPU (Triton kernels, bf16):  PYTHONPATH=. python launch/fp8_kv_accuracy.py --device cuda --dtype bfloat16 --backend triton
+CPU (torch reference attention, float32):  python launch/bench/fp8_kv_accuracy.py
+GPU (Triton kernels, bf16):  python launch/bench/fp8_kv_accuracy.py --device cuda --dtype bfloat16 --backend triton
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+import repo_root  # noqa: F401  (this checkout's engine, before any import of it)
 from spmd_engine.models.attention_metadata import AttentionMetadata
 from spmd_engine.models.causal_lm import CausalLM
 from spmd_engine.executor.kv_cache import (FP8_CALIBRATION_TOKENS, FP8_SCALE_HEADROOM, KVCacheSpec, allocate_kv_cache,

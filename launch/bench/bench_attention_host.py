@@ -4,15 +4,17 @@ Measures what our wrapper costs on the host (checks, split count, configs, grids
 slicing) apart from Triton's own launch path: every jitted kernel's `kernel[grid]` is replaced by a
 no-op, a fresh AttentionMetadata is built per step (as the engine does) and `Attention.attend` runs
 for every layer of the step. Runs on CPU (no GPU, no TRITON_INTERPRET) or on a GPU machine:
-`PYTHONPATH=. python launch/bench_attention_host.py [--device cuda]`. Uses only the layer's public
-API, so it times older versions of the layer the same way.
+`python launch/bench/bench_attention_host.py [--device cuda]`. Uses only the layer's public API, so
+`--repo OTHER_CHECKOUT` times an older version of the layer the same way.
 """
 from __future__ import annotations
 
 import argparse
 import itertools
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -23,7 +25,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=28)  # Qwen3-0.6B
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repo", default=str(Path(__file__).resolve().parents[2]),
+                        help="checkout whose attention layer to time (default: this one)")
     args = parser.parse_args()
+    sys.path.insert(0, args.repo)
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("run without TRITON_INTERPRET: the launches are stubbed, not interpreted")
     from triton.runtime.jit import JITFunction

@@ -5,8 +5,8 @@ the default tp_reduce_dtype, bf16 with `model`); this measures what one costs at
 few prefill sizes, through the engine's own reduce objects (spmd_engine/executor/tp_allreduce.py), so
 the table says which path `tp_allreduce` should take where (SYMM_MEM_MAX_BYTES, ONE_SHOT_MAX_BYTES_WIDE).
 
-    torchrun --nproc_per_node=2 launch/bench_allreduce.py                  # 2 GPUs (set the env below)
-    torchrun --nproc_per_node=2 launch/bench_allreduce.py --device cpu     # gloo smoke test, tiny sizes
+    torchrun --nproc_per_node=2 launch/bench/bench_allreduce.py                  # 2 GPUs (set the env below)
+    torchrun --nproc_per_node=2 launch/bench/bench_allreduce.py --device cpu     # gloo smoke test, tiny sizes
 
 On machines without NVLink multicast: NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1.
 
@@ -22,13 +22,11 @@ import os
 import platform
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing it
-
+import repo_root  # noqa: F401  (this checkout's engine, before any import of it)
 from spmd_engine.distributed import discover_ranks, init_process_group
 from spmd_engine.executor.tp_allreduce import (
     ProcessGroupAllReduce,

@@ -1,8 +1,7 @@
 """GPU benchmark: the bf16 CUDA decode kernel (kernels/decode_attention_cuda.py) at every split count, against the
-count the split rule picks, replayed from CUDA graphs at Qwen3-0.6B heads (prints a table; docs/BENCHMARKS.md,
-session 21).
+count the split rule picks, replayed from CUDA graphs at Qwen3-0.6B heads (prints a table).
 
-Run: `PYTHONPATH=. python kernels/bench_decode_splits.py [--small]`. Each row: one layer's decode attention for
+Run: `python launch/bench/bench_decode_splits.py [--small]`. Each row: one layer's decode attention for
 `rows` sequences of the context range shown (longest first, as the engine orders them), block tables 256 blocks
 wide as in the engine's decode graphs (max_model_len 4096 at block 16), µs per launch (median of graph replays
 of 20 launches) for the rule's count, the best count and each count tried. `--small`: 1-16 rows.
@@ -13,11 +12,12 @@ import argparse
 
 import torch
 
-import spmd_engine.kernels.bench_attention as bench_attention
+import repo_root  # noqa: F401  (this checkout's engine, before any import of it)
+import bench_attention
 import spmd_engine.kernels.decode_attention as da
 import spmd_engine.kernels.decode_attention_cuda as cuda16
-from spmd_engine.kernels.bench_attention import HEAD_DIM, NUM_KV_HEADS
-from spmd_engine.kernels.bench_fused_ops import graph_ms
+from bench_attention import HEAD_DIM, NUM_KV_HEADS
+from bench_fused_ops import graph_ms
 
 BLOCK_SIZE = 16
 TABLE_WIDTH = 256  # blocks: the decode graphs' tables are max_model_len wide

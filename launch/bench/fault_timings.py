@@ -1,7 +1,7 @@
 """Measure, on any device, how fast every rank stops after a killed rank, a hang, a raise and SIGINT.
 
 Not a test (CI runs the same cases on CPU): run it by hand, e.g. on two GPUs,
-    python -m tests.faults.fault_timings --device cuda --out /tmp/timings
+    python launch/bench/fault_timings.py --device cuda --out /tmp/timings
 and copy the numbers into docs/RELIABILITY.md. Each case is a plain 2-rank launch, so the exit
 time of every rank is seen and nothing but the engine ends the survivors.
 """
@@ -13,6 +13,7 @@ import signal
 import time
 from pathlib import Path
 
+import repo_root  # noqa: F401  (this checkout's engine, before any import of it)
 from tests.faults.launches import finish, start_plain, wait_for_rows
 from tests.helpers.tiny_checkpoints import make_tiny_checkpoint
 

@@ -1,9 +1,9 @@
 """GPU benchmark: fp8 decode attention, the Triton kernel against the CUDA kernel of `cuda_fp8_decode`
 (kernels/decode_attention_fp8_cuda.py) and its tile variants, at Qwen3-0.6B heads over the context mixes
-the engine meets (prints a table; docs/BENCHMARKS.md, sessions 16-17). `--bf16`: a bf16 cache, Triton
+the engine meets (prints a table). `--bf16`: a bf16 cache, Triton
 against the CUDA kernel of `cuda_decode` (kernels/decode_attention_cuda.py) and its tiles.
 
-Run: `PYTHONPATH=. python kernels/bench_fp8_decode.py [--bf16]`. Each row: one layer's decode attention,
+Run: `python launch/bench/bench_fp8_decode.py [--bf16]`. Each row: one layer's decode attention,
 median of `triton.testing.do_bench` (eager launches: the host's launch time shows in the small rows), µs and
 TB/s of K/V read. Tiles are (keys per tile / tiles in flight / warps per SM for the split rule).
 """
@@ -14,10 +14,11 @@ import argparse
 import torch
 import triton.testing
 
-import spmd_engine.kernels.bench_attention as bench_attention
+import repo_root  # noqa: F401  (this checkout's engine, before any import of it)
+import bench_attention
 import spmd_engine.kernels.decode_attention_cuda as cuda16
 import spmd_engine.kernels.decode_attention_fp8_cuda as fp8_cuda
-from spmd_engine.kernels.bench_attention import HEAD_DIM, NUM_KV_HEADS
+from bench_attention import HEAD_DIM, NUM_KV_HEADS
 from spmd_engine.kernels.decode_attention import paged_decode_attention
 
 BLOCK_SIZE = 16

@@ -9,10 +9,10 @@ buffers (padded like the decode graphs / piecewise buckets), the real Sampler ov
 vocabulary, postprocess and finishing, and the job's row sink writing outputs.jsonl into a temp dir.
 Only the forward is fake: it returns a cached logits tensor.
 
-    python launch/host_step_bench.py                     # the 2048-request bench (~1 min on 2 cores)
-    python launch/host_step_bench.py --profile           # plus a cProfile top-20 by cumulative time
-    python launch/host_step_bench.py --repo /tmp/wt980   # another checkout's engine (before/after)
-    python launch/host_step_bench.py --clock thread      # phases in the loop thread's CPU time (a busy machine)
+    python launch/bench/host_step_bench.py                     # the 2048-request bench (~1 min on 2 cores)
+    python launch/bench/host_step_bench.py --profile           # plus a cProfile top-20 by cumulative time
+    python launch/bench/host_step_bench.py --repo /tmp/wt980   # another checkout's engine (before/after)
+    python launch/bench/host_step_bench.py --clock thread      # phases in the loop thread's CPU time (a busy machine)
 
 Prints the mean host ms per phase (`last_run['step_timing']`) per step kind, and the sha256 of the
 finalized outputs.jsonl (equal across two trees = the same rows, byte for byte).
@@ -37,7 +37,7 @@ PHASES = ("postprocess", "schedule", "broadcast", "inputs", "sample", "forward")
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--repo", default=str(Path(__file__).resolve().parents[1]),
+    p.add_argument("--repo", default=str(Path(__file__).resolve().parents[2]),
                    help="checkout whose spmd_engine to run (default: this one)")
     p.add_argument("--num-seqs", type=int, default=2048, help="requests (the steady-state bench: 2048)")
     p.add_argument("--min-input-len", type=int, default=100)

@@ -1,6 +1,6 @@
 """Why fp8 K/V flips SmolLM2-135M's top-1 where it does: a fake-quantization study (prints a table; not a test).
 
-Why: launch/fp8_kv_accuracy.py measures the engine's fp8 cache (94.5 % top-1 agreement against 99 %
+Why: launch/bench/fp8_kv_accuracy.py measures the engine's fp8 cache (94.5 % top-1 agreement against 99 %
 asked). This asks what any 1-byte K/V encoding could reach on the same model and texts: K and V are
 rounded through an encoding inside the uncached forward (torch attention, float32), with nothing else
 changed, and the top-1 at every position is compared with the unrounded model's. Encodings: e4m3 with
@@ -8,7 +8,7 @@ the engine's calibrated per-(layer, KV head) scales, the same after an orthonorm
 each head (q and k rotated alike, so q.k is unchanged; v rotated and the output rotated back), int8 with
 a scale per token and head, bfloat16; then e4m3 in one layer at a time (how the flips spread over layers).
 
-    PYTHONPATH=. python launch/fp8_kv_study.py          # ~6 min on 2 cores
+    python launch/bench/fp8_kv_study.py          # ~6 min on 2 cores
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+import repo_root  # noqa: F401  (this checkout's engine, before any import of it)
 from spmd_engine.executor.kv_cache import FP8_CALIBRATION_TOKENS, FP8_DTYPE, calibrate_fp8_kv_scales
 from spmd_engine.models.attention_metadata import AttentionMetadata
 
@@ -99,7 +100,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from fp8_kv_accuracy import real_texts  # launch/ is this script's directory
+    from fp8_kv_accuracy import real_texts  # launch/bench/ is this script's directory
     from spmd_engine.models.gguf import embedded_model_dir
     from spmd_engine.models.loader import load_safetensors_weights
     from spmd_engine.models.parallel import TensorParallel

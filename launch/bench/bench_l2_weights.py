@@ -5,16 +5,17 @@ HBM latency were the cause, prefetching a layer's weights into L2 (during attent
 KV cache with an evict-first policy) would pay. Times, per layer, CUDA graphs of 28 layers with distinct
 weights: the GEMMs cold, the GEMMs on one layer's weights (hot in L2), a 400 MB evict-first read standing
 for attention, and three prefetches (bulk `cp.async.bulk.prefetch.L2`, per-line `prefetch.global.L2::evict_last`,
-evict-last loads) before or after that read. Session 22 (docs/BENCHMARKS.md, call 2): hot saves 2-3 µs a
-layer, a prefetch costs 6.7: no. CUDA only (NVRTC, sm_90):
+evict-last loads) before or after that read. H200, 32-256 rows: hot saves 2-3 µs a layer, a prefetch
+costs 6.7: no. CUDA only (NVRTC, sm_90):
 
-    PYTHONPATH=. python kernels/bench_l2_weights.py
+    python launch/bench/bench_l2_weights.py
 """
 import ctypes
 
 import torch
 import torch.nn.functional as F
 
+import repo_root  # noqa: F401  (this checkout's engine, before any import of it)
 from spmd_engine.kernels.cuda_rtc import load_kernel, nvrtc_compile
 
 SRC = r'''

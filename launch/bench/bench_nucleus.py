@@ -1,17 +1,17 @@
 """GPU benchmark: the top-p draw (`nucleus_sample`) launch by launch, against the plain draw, by tile choice.
 
-Why: the engine's default sampling (top_p 0.95) must stay within 3 % of plain temperature sampling (issue 14,
-part 1), and at 129-256 rows its chunked rounds after the first cost more than their work: most programs of
-those launches belong to rows already decided and return at once, while a rejected row's programs each race
-4,096 columns. This prints each launch's mean GPU time (torch.profiler over repeated draws) for the tiles
-(columns per iteration, warps) of `NUCLEUS_MASS_TILE` (round 0's mass pass) and `NUCLEUS_ROUND_TILE` (the
-later rounds), and how many tokens differ from the default tiles' draw (a tile only reorders the float sums
-inside a chunk, so a difference can only come from a row at its nucleus boundary).
+Why: the engine's default sampling (top_p 0.95) must stay within 3 % of plain temperature sampling, and at
+129-256 rows its chunked rounds after the first cost more than their work: most programs of those launches
+belong to rows already decided and return at once, while a rejected row's programs each race 4,096 columns.
+This prints each launch's mean GPU time (torch.profiler over repeated draws) for the tiles (columns per
+iteration, warps) of `NUCLEUS_MASS_TILE` (round 0's mass pass) and `NUCLEUS_ROUND_TILE` (the later rounds),
+and how many tokens differ from the default tiles' draw (a tile only reorders the float sums inside a chunk,
+so a difference can only come from a row at its nucleus boundary).
 
 Logits: N(0, 0.64^2) float32 at Qwen3's vocabulary, the scale of `model.load_format=dummy` (hidden 1,024,
 weights N(0, 0.02)), and a peaked variant (x 5) closer to a trained model's. CUDA only:
 
-    PYTHONPATH=. python kernels/bench_nucleus.py [--rows 129 256] [--reps 30] [--tiles 1024/4 2048/8]
+    python launch/bench/bench_nucleus.py [--rows 129 256] [--reps 30] [--tiles 1024/4 2048/8]
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import collections
 
 import torch
 
+import repo_root  # noqa: F401  (this checkout's engine, before any import of it)
 import spmd_engine.kernels.sampling_noise as sn
 
 VOCAB = 151_936

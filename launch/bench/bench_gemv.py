@@ -11,15 +11,15 @@ Pick `SMALL_BATCH_MAX_M` (models/layers/linear.py) from the last M where the GEM
 `GEMV_TABLE` entries to paste into kernels/gemv.py.
 
 `--in-situ` chooses the blocks where they run: the whole batch-1 Qwen3-0.6B decode step of
-`kernels/bench_pdl.py` (PDL on, one CUDA graph) is timed while one shape's choice varies, shape after
+`launch/bench/bench_pdl.py` (PDL on, one CUDA graph) is timed while one shape's choice varies, shape after
 shape (coordinate descent, `--rounds` passes), and the winners are printed as `GEMV_TABLE` entries.
 Why: with PDL a GEMV's launch and ramp overlap its neighbours, so the isolated `--sweep` misjudges
-(session 8 on an H200: its choices gave 1074 us per step, the in-situ ones 980). Confirm a new table
+(H200, batch 1, context 1024: its choices gave 1074 us per step, the in-situ ones 980). Confirm a new table
 with the engine's batch-1 bench (`python run.py model=qwen3 model.load_format=dummy workload=bench
 workload.num_seqs=1`, GPU busy per step) before keeping it: picks worth 2-4 us here cost 29 us there.
 
-Run: `PYTHONPATH=. python kernels/bench_gemv.py [--model qwen3|qwen3_8b|all] [--sweep | --sweep-only]`,
-or `PYTHONPATH=. python kernels/bench_gemv.py --in-situ [--context 1024] [--rounds 2]` (~2 min a round).
+Run: `python launch/bench/bench_gemv.py [--model qwen3|qwen3_8b|all] [--sweep | --sweep-only]`,
+or `python launch/bench/bench_gemv.py --in-situ [--context 1024] [--rounds 2]` (~2 min a round).
 """
 from __future__ import annotations
 
@@ -32,10 +32,11 @@ import torch
 import triton
 import triton.testing
 
-from spmd_engine.kernels.bench_fused_ops import graph_ms
-from spmd_engine.kernels.bench_pdl import DecodeStep
+import repo_root  # noqa: F401  (this checkout's engine, before any import of it)
+from bench_fused_ops import graph_ms
 from spmd_engine.kernels.gemv import GEMV_TABLE, GemvConfig, gemv, gemv_config
 from spmd_engine.kernels.pdl import pdl_launches
+from tests.helpers.decode_step import DecodeStep
 
 # name -> (layers, hidden, q heads x head_dim, kv heads x head_dim, intermediate, vocab)
 MODELS = {"qwen3": (28, 1024, 2048, 1024, 3072, 151936), "qwen3_8b": (36, 4096, 4096, 1024, 12288, 151936)}
