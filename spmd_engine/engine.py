@@ -1,14 +1,9 @@
-"""Engine: one rank's engine and the SPMD step loop (the public `spmd_engine.LLM` wraps it).
+"""Engine: one rank's engine: start-up agreed across ranks, the model and its runner, and `generate`
+(the public `spmd_engine.LLM` wraps it).
 
-Every rank constructs an Engine and calls `generate` with the same arguments. Rank 0 schedules,
-broadcasts one StepPlan per step, samples and post-processes; the other ranks follow the plans
-until the stop plan. The data path of one step, in order:
-scheduler.schedule -> PlanBuilder.build -> broadcast -> ModelRunner.stage/launch -> Sampler
--> Scheduler.postprocess.
-
-With async_scheduling (the default) rank 0 runs that path one step ahead of the GPU: while step N
-runs it post-processes step N-1's tokens and plans, sends and stages step N+1; step N+1 takes the
-tokens step N samples straight from the device, so the GPU never waits for the host's planning.
+Every rank constructs an Engine and calls `generate` with the same arguments. The replica's leader
+runs the step loop (step_loop.py: schedule -> plan -> broadcast -> stage -> launch -> sample ->
+postprocess); the other ranks follow its plans (`_follow_plans`) until the stop plan.
 """
 from __future__ import annotations
 
@@ -16,36 +11,25 @@ import gc
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
-import numpy as np
 import torch
 
 from spmd_engine.models.model_config import ModelShape
 from spmd_engine.config import ConfigError, EngineConfig
-from spmd_engine.core.detokenizer import OutputText
-from spmd_engine.core.plan import COMMAND_STOP, PlanBuilder, StepPlan
-from spmd_engine.core.requests import (NOT_YET, PolledRequests, PromptRequest, RequestOutput, polled,
-                                       validate_prompt)
-from spmd_engine.core.scheduler import ScheduleOutput, Scheduler, SchedulerConfig
-from spmd_engine.core.sequence import SamplingParams, Sequence, SequenceStatus
+from spmd_engine.core.plan import COMMAND_STOP
+from spmd_engine.core.requests import PolledRequests, PromptRequest, RequestOutput
+from spmd_engine.core.scheduler import Scheduler, SchedulerConfig
 from spmd_engine.distributed import RankInfo, Replica, gather_errors, make_replica
 from spmd_engine.executor.kv_cache import CudaMemoryBudget, KVCacheSpec, KVCapacity, planned_num_blocks
-from spmd_engine.executor.logits_processors import apply_min_tokens, apply_penalties_and_min_p
-from spmd_engine.executor.logprobs import (PendingLogprobs, SampledLogprobRows, compute_logprobs, entry,
-                                           host_to_device, prompt_logit_count)
-from spmd_engine.executor.model_runner import ModelRunner, RunnerSettings, StagedStep
+from spmd_engine.executor.model_runner import ModelRunner, RunnerSettings
 from spmd_engine.executor.model_source import ModelSource, resolve_model_source
-from spmd_engine.executor.sampler import Sampler, SamplingBatch, request_seed, seed_bits
-from spmd_engine.executor.token_readback import ReadbackBuffers, TokenReadback
 from spmd_engine.executor.tp_allreduce import (ProcessGroupAllReduce, SymmMemAllReduce, TpAllReduceUnavailable,
                                                TpGroup, make_tp_allreduce, symm_mem_buffer_bytes)
 from spmd_engine.faults.injection import FaultInjector
 from spmd_engine.faults.preflight import check_checkpoint_files
 from spmd_engine.faults.progress import StepProgress
-from spmd_engine.telemetry.gpu_timeline import GpuTimeline
-from spmd_engine.telemetry.step_timing import PhaseClock, StepTimer
+from spmd_engine.step_loop import GenerateCall, LoopParts, StepLoop
 
 log = logging.getLogger(__name__)
 
@@ -296,13 +280,15 @@ class Engine:
             # an earlier call ended half-way (an exception): start from a clean pool
             self.scheduler = new_scheduler(self.cfg, self.max_model_len, self.runner.num_blocks,
                                            self.shape.eos_token_ids)
-        generation = _Generation(self, requests, on_finish, decode, progress, keep_outputs)
-        generation.token_text = token_text or ((lambda t: decode([t])) if decode else None)
+        parts = LoopParts(self.cfg, self.scheduler, self.runner, self.replica, self.step_progress, self.device,
+                          self.shape.vocab_size, self.max_model_len)
+        loop = StepLoop(parts, GenerateCall.of(requests, on_finish, decode, token_text, progress, keep_outputs),
+                        self.step)
         try:
-            outputs = generation.run()
+            outputs = loop.run()
         finally:
-            self.step = generation.step  # a failed call's steps count too: step numbers never repeat
-        self.last_run = generation.summary
+            self.step = loop.step  # a failed call's steps count too: step numbers never repeat
+        self.last_run = loop.summary
         return outputs
 
     def _follow_plans(self) -> None:
@@ -331,378 +317,3 @@ def new_scheduler(cfg: EngineConfig, max_model_len: int, num_blocks: int, eos_to
     return Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, max_model_len, cfg.block_size,
                                      num_blocks, cfg.enable_prefix_caching, cfg.max_prompt_tokens_per_mixed_step),
                      set(eos_token_ids))
-
-
-class _Generation:
-    """Rank 0's state for one generate call: scheduler, plans, sampler and the outputs."""
-
-    def __init__(self, llm: Engine, requests: Iterable[PromptRequest] | PolledRequests, on_finish, decode,
-                 progress: bool, keep_outputs: bool = True) -> None:
-        cfg = llm.cfg
-        self.llm = llm
-        self.on_finish = on_finish or (lambda out: None)
-        self.decode = decode
-        self.progress = progress
-        self.scheduler = llm.scheduler  # the engine's, for its life
-        self.preemptions_before = self.scheduler.num_preemptions
-        self.texts: dict[int, OutputText] = {}  # seq_id -> its followed text (requests with stop strings)
-        self.token_text: Callable[[int], str] | None = None
-        # seq_id -> entries of requests with logprobs / prompt_logprobs (spmd_engine/logprobs.py)
-        self.logprobs: dict[int, list[dict]] = {}
-        self.prompt_logprobs: dict[int, list[dict | None]] = {}
-        self.builder = PlanBuilder()
-        self.sampler = Sampler(llm.device)
-        self.readback_buffers = ReadbackBuffers()  # the sampled tokens' pinned host buffers, reused (CUDA)
-        self.generation = llm.step  # tells this generate call's unseeded request seeds from another's
-        self.step = llm.step  # the engine's step counter, handed back at the end with `summary`
-        self.summary: dict[str, Any] = {}
-        self.defaults = cfg.sampling
-        self.outputs: list[RequestOutput] = []
-        self.live: dict[int, tuple[Sequence, RequestOutput]] = {}
-        self.row_consts: dict[int, _RowConsts] = {}  # seq_id -> what its sampling rows need, fixed per request
-        # finished since the last postprocess: the step in flight may still sample them once (and drop the token)
-        self.consts_done: list[int] = []
-        self.keep_outputs = keep_outputs
-        self.total = len(requests) if hasattr(requests, "__len__") else None
-        self.requests = polled(requests)  # pulled by `_refill` as the batch has room
-        self.fed = 0  # requests pulled so far: the next one's seq_id
-        self.fed_all = False
-        self.cached_tokens = 0
-        self.sampler_graph_steps = 0  # steps sampled by replaying a sampler graph (runner.sampler_graphs)
-
-    def _admit(self, seq_id: int, req: PromptRequest) -> int:
-        """Queue `req` as sequence `seq_id` (or finish it as an error row) -> the tokens it queued."""
-        out = RequestOutput(req.index, req.prompt, req.prompt_token_ids, None, [], "error", req.error,
-                            custom_id=getattr(req, "custom_id", None))
-        if self.keep_outputs:
-            self.outputs.append(out)
-        if out.error is None:
-            try:
-                params = SamplingParams.from_dict(req.overrides, self.defaults)
-                out.error = validate_prompt(req.prompt_token_ids, self.llm.shape.vocab_size, self.llm.max_model_len)
-                if out.error is None and params.stop and self.decode is None:
-                    out.error = "sampling.stop needs the checkpoint's tokenizer (stop strings are matched on the " \
-                                "text); use stop_token_ids"
-            except ValueError as exc:
-                out.error = str(exc)
-        if out.error is not None:
-            out.text = None
-            self.on_finish(out)
-            self.bar.update(1)
-            return 0
-        seed = params.seed if params.seed is not None else request_seed(self.llm.cfg.seed, self.generation, req.index)
-        seq = Sequence(seq_id, req.prompt_token_ids, params, sampling_seed=seed)
-        if params.logprobs is not None:
-            self.logprobs[seq_id] = []
-        if params.prompt_logprobs is not None:
-            self.prompt_logprobs[seq_id] = [None] * len(req.prompt_token_ids)
-        if params.stop:
-            self.texts[seq_id] = OutputText(self.decode, seq.prompt_token_ids, params.stop,
-                                            params.include_stop_str_in_output)
-        self.scheduler.add(seq)
-        self.live[seq_id] = (seq, out)
-        self.row_consts[seq_id] = _RowConsts(
-            seed_bits(seed), params.temperature, params.top_p, params.top_k, seq.num_prompt_tokens,
-            bool(params.logprobs is not None or params.min_tokens or params.has_penalties or params.min_p > 0))
-        return self.scheduler.tokens_to_compute(seq)
-
-    def run(self) -> list[RequestOutput]:
-        self.start = time.perf_counter()
-        self.bar = _progress_bar(self.total, self.progress)
-        loop = _InFlight(StepTimer(), GpuTimeline(self.llm.device.type == "cuda"))
-        while self._step(loop):
-            pass
-        self._stop(loop)
-        self.outputs.sort(key=lambda o: o.index)
-        return self.outputs
-
-    def _step(self, loop: _InFlight) -> bool:
-        """One turn of the loop: collect the step sampled last, plan the next one and send it, stage its
-        inputs, sample the step in flight (its tokens are the new plan's deferred inputs), launch.
-        False once nothing is left to run."""
-        clock = loop.clock
-        clock.lap("postprocess")  # the previous turn's bookkeeping (counting it, the loop) since its last lap
-        self.llm.step_progress.step(self.step)
-        tokens = loop.sampled.host_tokens() if loop.sampled is not None else None  # waits for the GPU
-        clock.lap("wait")
-        if loop.sampled is not None:
-            self._postprocess(loop.sampled, tokens)
-            loop.sampled = None
-        self._refill()
-        clock.lap("postprocess")
-        if loop.launched is None and not self.scheduler.has_unfinished():
-            return False
-        schedule = self.scheduler.schedule()
-        # every schedule goes through the builder, even one that runs nothing: it may still have
-        # preempted or finished sequences, whose drops the builder sends with the next plan
-        plan = self.builder.build(schedule, self.step)
-        if plan is None:  # every running sequence waits for the step in flight
-            if loop.launched is None:
-                raise RuntimeError("scheduler made no progress (no sequence fits the KV pool)")
-            self._sample_in_flight(loop)
-            return True
-        clock.lap("schedule")
-        self.llm.replica.broadcast_object(plan)
-        clock.lap("broadcast")
-        staged = self.llm.runner.stage(plan)
-        clock.lap("inputs")
-        self._sample_in_flight(loop)
-        clock.lap("sample")
-        self._launch(loop, schedule, staged)
-        clock.lap("forward")
-        if not self.llm.cfg.async_scheduling:
-            self._sample_in_flight(loop)
-        clock.lap("sample")
-        loop.count(plan, staged.launch_kind)
-        self.step += 1
-        return True
-
-    def _launch(self, loop: _InFlight, schedule: ScheduleOutput, staged: StagedStep) -> None:
-        """Launch a staged step's forward; its inputs deferred to the step in flight take that step's tokens."""
-        loop.timeline.mark(loop.steps, "forward_start")
-        logits = self.llm.runner.launch(staged, loop.sampled.tokens if loop.sampled is not None else None)
-        loop.timeline.mark(loop.steps, "forward_end")
-        self.llm.step_progress.forward_issued()
-        loop.launched = _Launched(schedule, logits, loop.steps, self._queue_prompt_logprobs(schedule),
-                                  self.llm.runner.sampler_graph_rows(staged))
-
-    def _sample_in_flight(self, loop: _InFlight) -> None:
-        """Queue sampling of the launched step, if any: it becomes the sampled step."""
-        if loop.launched is not None:
-            loop.sampled, loop.launched = self._sample(loop.launched, loop.timeline), None
-
-    def _stop(self, loop: _InFlight) -> None:
-        """Send every rank the stop plan, then summarise the call's steps into `summary`."""
-        llm = self.llm
-        stop = self.builder.stop_plan(self.step)
-        llm.replica.broadcast_object(stop)
-        llm.runner.apply_stop(stop)
-        llm.step_progress.idle()
-        self.bar.close()
-        loop.timer.set_gpu_idle(loop.timeline.idle_ms(), loop.timeline.busy_ms())
-        cached = self.cached_tokens
-        preemptions = self.scheduler.num_preemptions - self.preemptions_before
-        self.summary = {"steps": loop.steps, "decode_steps": loop.decode_steps,
-                        "async_scheduling": llm.cfg.async_scheduling, "preemptions": preemptions,
-                        "cached_prompt_tokens": cached, "sampler_graph_steps": self.sampler_graph_steps,
-                        "step_timing": loop.timer.summary()}
-        log.info("generate: %d steps (%d decode), %d preemptions, %d prompt tokens from the prefix cache",
-                 loop.steps, loop.decode_steps, preemptions, cached)
-
-    def _refill(self) -> None:
-        """Pull requests until the batch could be full (waiting + running reach max_num_seqs) or the
-        source ends: a lazy source is read, tokenized or handed out only as this replica has room.
-        A polled source waits only while nothing runs; with sequences running, "not yet" ends the
-        refill and the loop keeps stepping them (it asks again next step)."""
-        scheduler, room = self.scheduler, self.llm.cfg.max_num_seqs
-        # A step takes at most max_num_batched_tokens from the waiting queue, FCFS: admitting beyond that
-        # changes no schedule and only puts host work before the first launch (256 bench requests: ~40 ms
-        # of admission before step 0); later steps admit the rest while the GPU runs the one in flight.
-        step_tokens, queued = self.llm.cfg.max_num_batched_tokens, None
-        while not self.fed_all and scheduler.num_waiting + scheduler.num_running < room:
-            queued = scheduler.num_waiting_tokens if queued is None else queued
-            if queued >= step_tokens:
-                return
-            request = self.requests.poll(wait=not scheduler.has_unfinished())
-            if request is NOT_YET:
-                return
-            if request is None:
-                self.fed_all = True
-                return
-            queued += self._admit(self.fed, request)
-            self.fed += 1
-
-    def _sample(self, launched: _Launched, timeline: GpuTimeline) -> _Sampled:
-        """Queue sampling of a launched step's logits and the copy of its tokens to the host."""
-        schedule = launched.schedule
-        flags = schedule.sample
-        seqs = [s for s, flag in zip(schedule.seqs, flags) if flag]
-        if not seqs:
-            return _Sampled(schedule, [], None, None, prompt_logprobs=launched.prompt_logprobs)
-        # the counter is the index of the drawn token within the output (its position minus the
-        # prompt), fixed at scheduling: planning ahead, chunking or preemption cannot shift a draw
-        positions = [before + num_new for before, num_new, flag in
-                     zip(schedule.num_computed_before, schedule.num_new_tokens, flags) if flag]
-        consts = self.row_consts
-        seeds, temperatures, top_ps, top_ks, prompt_lens, transformed = zip(*[consts[s.seq_id] for s in seqs])
-        rows = SamplingBatch(np.array(seeds, dtype=np.int64),
-                             np.array(positions, dtype=np.int64) - np.array(prompt_lens, dtype=np.int64),
-                             np.array(temperatures, dtype=np.float64), np.array(top_ps, dtype=np.float64),
-                             np.array(top_ks, dtype=np.int64))
-        wanted = None
-        if any(transformed):  # some row asks for logprobs, min_tokens, penalties or min_p
-            picked = list(zip(seqs, positions))
-            # logprobs of the raw logits, before any transform (None and no work when no row asks)
-            wanted = SampledLogprobRows.take(launched.logits, [s.params.logprobs for s in seqs])
-            apply_min_tokens(launched.logits, picked, self.scheduler.eos_token_ids)
-            apply_penalties_and_min_p(launched.logits, picked)
-        timeline.mark(launched.index, "sample_start")
-        tokens = None
-        if launched.graph_rows is not None and not any(transformed):  # all greedy / all plain: one replay
-            self.readback_buffers.fence()  # the replay overwrites the tokens an unread copy may still take
-            tokens = self.llm.runner.sampler_graphs.sample(launched.graph_rows, rows)
-            self.sampler_graph_steps += tokens is not None
-        if tokens is None:
-            tokens = self.sampler.sample_on_device(launched.logits, rows)
-        timeline.mark(launched.index, "sample_end")
-        pending = (wanted.rows, wanted.finish(tokens)) if wanted is not None else None
-        return _Sampled(schedule, seqs, tokens, TokenReadback(tokens, self.readback_buffers), pending,
-                        launched.prompt_logprobs)
-
-    def _queue_prompt_logprobs(self, schedule: ScheduleOutput) -> "_PromptLogprobs | None":
-        """Prompt logprobs of a launched step's prompt rows (rank 0; None when no request asked)."""
-        logits = self.llm.runner.last_prompt_logits
-        if logits is None:
-            return None
-        spans: list[tuple[Sequence, int, int]] = []
-        targets: list[int] = []
-        for seq, start, num_new in zip(schedule.seqs, schedule.num_computed_before, schedule.num_new_tokens):
-            count = prompt_logit_count(seq, start, num_new)
-            if count:
-                spans.append((seq, start, count))
-                targets.extend(seq.token_ids[start + 1:start + 1 + count])  # position p predicts token p + 1
-        k = max(seq.params.prompt_logprobs for seq, _, _ in spans)
-        tokens = host_to_device(targets, logits.device)
-        return _PromptLogprobs(spans, compute_logprobs(logits, tokens, k))
-
-    def _record_logprobs(self, sampled: "_Sampled", tokens: np.ndarray) -> None:
-        """Read back a step's logprobs (only when some request asked: this waits for them); a token a
-        finished sequence drops (a speculative step's) gets none."""
-        if sampled.logprobs is not None:
-            rows, pending = sampled.logprobs
-            chosen, top_ids, top_lps = pending.host()
-            for i, row in enumerate(rows):
-                seq = sampled.seqs[row]
-                entries = self.logprobs.get(seq.seq_id)
-                if entries is not None and not seq.is_finished:
-                    entries.append(entry(int(tokens[row]), chosen[i], top_ids[i], top_lps[i], seq.params.logprobs,
-                                         self.token_text))
-        if sampled.prompt_logprobs is not None:
-            chosen, top_ids, top_lps = sampled.prompt_logprobs.pending.host()
-            i = 0
-            for seq, start, count in sampled.prompt_logprobs.spans:
-                entries = self.prompt_logprobs.get(seq.seq_id)
-                for p in range(start, start + count):
-                    if entries is not None:
-                        entries[p + 1] = entry(seq.token_ids[p + 1], chosen[i], top_ids[i], top_lps[i],
-                                               seq.params.prompt_logprobs, self.token_text)
-                    i += 1
-
-    def _postprocess(self, sampled: _Sampled, tokens: np.ndarray) -> None:
-        if sampled.logprobs is not None or sampled.prompt_logprobs is not None:
-            self._record_logprobs(sampled, tokens)
-        for seq_id in self.consts_done:  # sampled for the last time: the step in flight came after their finish
-            del self.row_consts[seq_id]
-        self.consts_done.clear()
-        now = time.perf_counter() - self.start
-        by_seq: dict[int, int] = {}
-        live, finished = self.live, SequenceStatus.FINISHED
-        for seq, token in zip(sampled.seqs, tokens.tolist()):  # Python ints at once, not one int() per row
-            if seq.status is finished:
-                continue
-            out = live[seq.seq_id][1]
-            if out.first_token_time is None:
-                out.first_token_time = now
-            out.token_times.append(now)
-            by_seq[seq.seq_id] = token
-        for seq in self.scheduler.postprocess(sampled.schedule, by_seq, self._stop_string):
-            self._finish(seq)
-            self.bar.update(1)
-
-    def _stop_string(self, seq: Sequence, token: int) -> str | None:
-        """The scheduler's stop-string hook: feed the token to the request's text, say what it matched."""
-        text = self.texts.get(seq.seq_id)
-        if text is None:
-            return None
-        match = text.add(token, seq.num_output_tokens >= seq.params.min_tokens)
-        return match.stop if match is not None else None
-
-    def _finish(self, seq: Sequence) -> None:
-        _, out = self.live.pop(seq.seq_id)
-        self.consts_done.append(seq.seq_id)
-        out.token_ids = list(seq.output_token_ids)
-        out.finish_reason = seq.finish_reason
-        out.stop_reason = seq.stop_reason
-        out.logprobs = self.logprobs.pop(seq.seq_id, None)
-        out.prompt_logprobs = self.prompt_logprobs.pop(seq.seq_id, None)
-        out.num_cached_tokens = seq.num_cached_tokens
-        self.cached_tokens += seq.num_cached_tokens
-        followed = self.texts.pop(seq.seq_id, None)
-        if followed is not None and followed.match is not None:
-            out.text = followed.match.text  # cut at the stop string (or just after it)
-        else:
-            out.text = self.decode(out.token_ids) if self.decode else None
-        self.on_finish(out)
-
-
-class _RowConsts(NamedTuple):
-    """A request's sampling constants, gathered once at admission (a step reads them for every row)."""
-
-    seed: int  # seed_bits of its noise seed
-    temperature: float
-    top_p: float
-    top_k: int
-    num_prompt_tokens: int
-    transformed: bool  # logprobs, min_tokens, penalties or min_p: the logits processors look at it
-
-
-@dataclass
-class _InFlight:
-    """The loop's steps between launch and collection, and its step counts (one generate call)."""
-
-    timer: StepTimer
-    timeline: GpuTimeline
-    launched: _Launched | None = None  # forward queued, logits not sampled yet
-    sampled: _Sampled | None = None  # tokens sampled on the device, not yet on the host
-    steps: int = 0
-    decode_steps: int = 0
-    clock: PhaseClock = field(default_factory=PhaseClock)  # runs for the whole loop (PhaseClock.take)
-
-    def count(self, plan: StepPlan, launch_kind: str) -> None:
-        """Count a launched step and record its host phases and how it ran (decode graph, piecewise, eager)."""
-        self.timer.add(plan.num_seqs, plan.num_tokens, plan.is_decode, num_decode_seqs=int((plan.query_lens == 1).sum()),
-                       launch=launch_kind, **self.clock.take())
-        self.steps += 1
-        self.decode_steps += int(plan.is_decode)
-
-
-@dataclass
-class _Launched:
-    """A step whose forward is queued; its logits are valid until the next launch."""
-
-    schedule: ScheduleOutput
-    logits: torch.Tensor | None
-    index: int  # step number within this generate call
-    prompt_logprobs: "_PromptLogprobs | None" = None  # queued on the device (requests with prompt_logprobs)
-    # the decode graph whose static logits these are, for the sampler graphs (runner.sampler_graph_rows)
-    graph_rows: int | None = None
-
-
-@dataclass
-class _PromptLogprobs:
-    """A step's prompt logprobs: per sequence (seq, first position, count), rows in that order."""
-
-    spans: list[tuple[Sequence, int, int]]
-    pending: PendingLogprobs
-
-
-@dataclass
-class _Sampled:
-    """A step whose tokens are sampled on the device and on their way to the host."""
-
-    schedule: ScheduleOutput
-    seqs: list[Sequence]  # the sampled rows, in order
-    tokens: torch.Tensor | None  # [len(seqs)] on the device; None when the step sampled nothing
-    readback: TokenReadback | None
-    logprobs: tuple[list[int], PendingLogprobs] | None = None  # (rows of seqs, their logprobs) if any asked
-    prompt_logprobs: _PromptLogprobs | None = None
-
-    def host_tokens(self) -> np.ndarray:
-        """Waits for the GPU up to this step's sampling."""
-        return self.readback.numpy() if self.readback is not None else np.zeros(0, dtype=np.int64)
-
-
-def _progress_bar(total: int | None, enabled: bool):
-    from tqdm import tqdm
-    return tqdm(total=total, desc="requests", unit="req", disable=not enabled or (total or 0) < 2,
-                dynamic_ncols=True)

@@ -21,6 +21,7 @@ from spmd_engine.distributed import (RankInfo, broadcast_object, destroy_process
                                      init_process_group, is_distributed)
 from spmd_engine.engine import Engine, agreed
 from spmd_engine.faults.progress import StepProgress
+from spmd_engine.tokenizer import load_tokenizer
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 Prompt = Union[str, dict[str, Any]]  # "text", {"prompt": "text"} or {"prompt_token_ids": [...]}
@@ -113,8 +114,6 @@ class LLM:
         return llm
 
     def _init(self, cfg: EngineConfig, ranks: RankInfo, step_progress: StepProgress | None = None) -> None:
-        from spmd_engine.job.prompts import load_tokenizer
-
         self._engine = engine = Engine(cfg, ranks, step_progress=step_progress)
         self.ranks: RankInfo = ranks
         tokenizer_dir = engine.source.tokenizer_dir

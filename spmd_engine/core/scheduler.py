@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from spmd_engine.core.block_manager import BlockManager
+from spmd_engine.core.detokenizer import OutputText
 from spmd_engine.core.sequence import (
     FINISH_ABORT,
     FINISH_LENGTH,
@@ -26,8 +26,6 @@ from spmd_engine.core.sequence import (
 )
 
 logger = logging.getLogger(__name__)
-
-StopStringCheck = Callable[[Sequence, int], str | None]  # (seq, its new token) -> the stop string it completed
 
 
 @dataclass
@@ -125,6 +123,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order: the last one is preempted first
         self._unfinished: dict[int, Sequence] = {}
         self._left_since_schedule: list[int] = []
+        self._stop_texts: dict[int, OutputText] = {}  # seq_id -> its followed text (requests with stop strings)
         self.num_preemptions = 0
 
     @property
@@ -148,7 +147,8 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self._unfinished)
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, stop_text: OutputText | None = None) -> None:
+        """Queue `seq`; `stop_text` follows its output text for its stop strings (fed every token)."""
         if seq.seq_id in self._unfinished:
             raise ValueError(f"request id {seq.seq_id} is already in flight")
         if seq.num_tokens > self.config.max_model_len:
@@ -159,6 +159,8 @@ class Scheduler:
         seq.params.validate()
         seq.status = SequenceStatus.WAITING
         self._unfinished[seq.seq_id] = seq
+        if stop_text is not None:
+            self._stop_texts[seq.seq_id] = stop_text
         self.waiting.append(seq)
 
     def abort(self, seq_id: int) -> bool:
@@ -268,13 +270,9 @@ class Scheduler:
             len(out.preempted), len(self.waiting), len(self.running), self.block_manager.num_free_blocks,
         )
 
-    def postprocess(self, output: ScheduleOutput, sampled: dict[int, int],
-                    stop_string_check: StopStringCheck | None = None) -> list[Sequence]:
+    def postprocess(self, output: ScheduleOutput, sampled: dict[int, int]) -> list[Sequence]:
         """Take a step's sampled tokens (seq_id -> token) once they are on the host: cache the blocks
-        the step completed, append the tokens, finish sequences; return the newly finished.
-
-        `stop_string_check(seq, token)`: the stop string the token completed, or None; the caller's
-        incremental detokenizer (core/detokenizer.py), asked for sequences with `stop` strings."""
+        the step completed, append the tokens, finish sequences; return the newly finished."""
         finished: list[Sequence] = []
         bm = self.block_manager
         caching, chains, block_size = bm.enable_prefix_caching, bm.hash_chains, bm.block_size
@@ -293,7 +291,7 @@ class Scheduler:
             token = sampled[seq.seq_id]
             seq.num_pending_tokens -= 1
             seq.token_ids.append(int(token))  # Sequence.append_token, inline: once per sequence per step
-            reason = self._stop_reason(seq, token, stop_string_check)
+            reason = self._stop_reason(seq, token)
             if reason is not None:
                 if seq.status is SequenceStatus.WAITING:
                     self.waiting.remove(seq)
@@ -319,7 +317,7 @@ class Scheduler:
         planned = len(seq.token_ids) + pending  # num_planned_tokens (asked per running sequence per step)
         return planned - seq.num_prompt_tokens >= seq.params.max_tokens or planned >= self.config.max_model_len
 
-    def _stop_reason(self, seq: Sequence, token: int, stop_string_check: StopStringCheck | None) -> str | None:
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         """EOS, a stop token, a stop string (none before min_tokens), then the length limits. A sequence
         finished here that has a speculative step in flight drops its token, whatever stopped it."""
         params = seq.params
@@ -331,10 +329,11 @@ class Scheduler:
             if params.stop_token_ids and token in params.stop_token_ids:
                 seq.stop_reason = token
                 return FINISH_STOP
-        if params.stop and stop_string_check is not None:
-            matched = stop_string_check(seq, token)  # fed every token: it follows the text
-            if matched is not None:
-                seq.stop_reason = matched
+        if params.stop:
+            text = self._stop_texts.get(seq.seq_id)
+            matched = text.add(token, num_output >= params.min_tokens) if text is not None else None
+            if matched is not None:  # fed every token: it follows the text
+                seq.stop_reason = matched.stop
                 return FINISH_STOP
         if num_output >= params.max_tokens or num_tokens >= self.config.max_model_len:
             return FINISH_LENGTH
@@ -355,4 +354,5 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self._unfinished[seq.seq_id]
+        self._stop_texts.pop(seq.seq_id, None)
         self._left_since_schedule.append(seq.seq_id)

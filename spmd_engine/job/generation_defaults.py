@@ -72,3 +72,13 @@ def apply_generation_config(sampling, model_dir: str | Path | None, explicit: se
              f" (command line keeps {', '.join(overridden)})" if overridden else "",
              f"; not applied (unsupported): {', '.join(f'{k}={found[k]}' for k in skipped)}" if skipped else "")
     return dataclasses.replace(sampling, **{k: getattr(checked, k) for k in taken})
+
+
+def job_sampling(cfg, overrides: list[str]):
+    """The job's sampling defaults (`cfg.sampling`, a SamplingParams) under the checkpoint's
+    generation_config.json, the command line's `sampling.*` keys kept: set on `cfg` before the engine is
+    built, so the engine is made with the sampling its requests take."""
+    from spmd_engine.executor.model_source import resolve_model_source
+
+    checkpoint_dir = resolve_model_source(cfg.model).checkpoint_dir
+    return apply_generation_config(cfg.sampling, checkpoint_dir, explicit_sampling_keys(overrides))

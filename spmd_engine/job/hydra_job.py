@@ -26,6 +26,7 @@ from spmd_engine.engine import agreed
 from spmd_engine.faults.error_line import error_line, report_error, write_error_file
 from spmd_engine.job.dispatch import DISPATCH_POLL_S, ChunkBoard, ClaimedRequests, Dispatcher, RowPoster
 from spmd_engine.job.feed import RequestFeed, chunk_size, source_requests
+from spmd_engine.job.generation_defaults import job_sampling
 from spmd_engine.job.metrics import RunningStats, replicas_engine, write_metrics
 from spmd_engine.job.outputs import OutputsWriter, RequestOutput, read_outputs
 from spmd_engine.faults.preflight import check_prompts_file
@@ -63,8 +64,9 @@ def run_job(raw_cfg: dict[str, Any], overrides: list[str], ranks: RankInfo, outp
     try:
         cfg = _join(raw_cfg, ranks, supervisor)
         run_dir_lock = agreed(lambda: _start_checks(cfg, output_dir, record.refused) if ranks.is_first else None)
+        cfg.sampling = agreed(lambda: job_sampling(cfg, overrides))  # every rank alike, before the engine
         llm = LLM.from_config(cfg, ranks, step_progress=supervisor.progress)
-        record.metrics.update(_generate(llm, cfg, ranks, output_dir, supervisor, overrides))
+        record.metrics.update(_generate(llm, cfg, ranks, output_dir, supervisor))
         record.metrics["status"] = "ok"
     except ConfigError as exc:  # every rank raises it (engine.agreed) or none does
         supervisor.detach()
@@ -189,13 +191,8 @@ class _RowSink:
 
 
 def _generate(llm: LLM, cfg: EngineConfig, ranks: RankInfo, output_dir: Path | None,
-              supervisor: Supervisor, overrides: list[str] | None = None) -> dict:
-    from spmd_engine.job.generation_defaults import apply_generation_config, explicit_sampling_keys
+              supervisor: Supervisor) -> dict:
     engine = llm.engine
-    # the checkpoint's generation_config.json under the command line's sampling.* keys (every rank alike;
-    # `cfg` is the engine's own config, so its requests take them)
-    cfg.sampling = agreed(lambda: apply_generation_config(cfg.sampling, engine.source.checkpoint_dir,
-                                                          explicit_sampling_keys(overrides or [])))
     gate = supervisor.start_gate()
     engine.faults.before_requests()
     board = _board(supervisor) if engine.replica.count > 1 else None

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import codecs
 import json
-import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from spmd_engine.core.requests import PromptRequest, validate_prompt  # noqa: F401 (re-exported)
 from spmd_engine.core.requests import shorten as _short
+from spmd_engine.tokenizer import load_tokenizer  # noqa: F401 (re-exported for tests/helpers/run_engine.py)
 
 DEFAULT_PROMPTS: list[str] = [
     "What is the capital of France? Answer in one sentence.",
@@ -273,17 +273,6 @@ def read_prompts(prompts: Sequence[Any] | str | None, prompts_file: str | None) 
         obj = {"prompt_token_ids": list(item)} if is_ids else {"prompt": item}
         requests.append(_request_from_object(obj, index, f"prompts[{index}]"))
     return requests
-
-
-def load_tokenizer(model_dir: str | os.PathLike | None):
-    """The checkpoint's HF tokenizer, or None when it ships no tokenizer files."""
-    from spmd_engine.models.checkpoint import has_tokenizer
-
-    if model_dir is None or not has_tokenizer(model_dir):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(model_dir))
 
 
 def _encode(prompt: str, tokenizer, chat_template: bool) -> list[int]:

@@ -1,4 +1,4 @@
-"""The engine's own step loop (rank 0's `_Generation.run`) with a fake runner: every rank's block-table
+"""The engine's own step loop (rank 0's `StepLoop.run`) with a fake runner: every rank's block-table
 mirror must equal the scheduler's tables whenever a forward could read them, whatever the loop does.
 
 A schedule that runs nothing (async scheduling: every running sequence waits for the step in flight)
@@ -23,11 +23,11 @@ from hypothesis import strategies as st
 import spmd_engine.engine as engine_module
 from spmd_engine.config import EngineConfig, ModelConfig, WorkloadConfig
 from spmd_engine.core.sequence import SamplingParams
-from spmd_engine.engine import _Generation
 from spmd_engine.core.plan import COMMAND_STOP, StepPlan
 from spmd_engine.executor.block_table import BlockTableMirror
 from spmd_engine.faults.progress import StepProgress
 from spmd_engine.job.prompts import PromptRequest
+from spmd_engine.step_loop import GenerateCall, LoopParts, StepLoop
 
 VOCAB, EOS = 6, 1  # a tiny vocabulary: greedy tokens on random logits hit EOS now and then
 NUM_OTHER_RANKS = 2
@@ -51,6 +51,7 @@ class FakeRunner:
         self.others = [BlockTableMirror(max_blocks, block_size) for _ in range(NUM_OTHER_RANKS)]
         self.logits = torch.Generator().manual_seed(seed)
         self.last_prompt_logits: torch.Tensor | None = None  # no request here asks for prompt logprobs
+        self.sampler_graphs = None  # no sampler graphs (as on CPU)
         self.scheduler = None  # the generation's, set once it exists
         self.checked_steps = 0
         self.idle_preemptions = 0
@@ -88,19 +89,25 @@ class FakeRunner:
 def run_loop(prompts: list[list[int]], max_tokens: list[int], *, block_size: int, num_blocks: int,
              max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int, prefix_caching: bool,
              async_scheduling: bool, seed: int = 0, ignore_eos: bool = False,
-             feed=lambda requests: requests, on_finish=None) -> tuple[FakeRunner, _Generation]:
+             feed=lambda requests: requests, on_finish=None) -> tuple[FakeRunner, StepLoop]:
     cfg = EngineConfig(model=ModelConfig("fake", None, "dummy", {}), workload=WorkloadConfig("chat"),
                        sampling=SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=ignore_eos),
                        block_size=block_size, num_kv_blocks=num_blocks, max_num_seqs=max_num_seqs,
                        max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                        enable_prefix_caching=prefix_caching, async_scheduling=async_scheduling, device="cpu")
     runner = FakeRunner(num_blocks, -(-max_model_len // block_size), block_size, seed)
-    llm = SimpleNamespace(cfg=cfg, max_model_len=max_model_len, runner=runner,
-                          scheduler=engine_module.new_scheduler(cfg, max_model_len, num_blocks, [EOS]),
-                          shape=SimpleNamespace(eos_token_ids=[EOS], vocab_size=VOCAB), device=torch.device("cpu"),
-                          step=0, step_progress=StepProgress(), faults=SimpleNamespace(before_step=lambda step: None))
+    scheduler = engine_module.new_scheduler(cfg, max_model_len, num_blocks, [EOS])
+    stops: list[StepPlan] = []
+
+    def broadcast(plan: StepPlan) -> StepPlan:
+        if plan.command == COMMAND_STOP:
+            stops.append(plan)
+        return runner.broadcast(plan)
+
+    replica = SimpleNamespace(broadcast_object=broadcast)  # the replica's plan channel
+    parts = LoopParts(cfg, scheduler, runner, replica, StepProgress(), torch.device("cpu"), VOCAB, max_model_len)
     requests = [PromptRequest(i, None, p, {"max_tokens": m}) for i, (p, m) in enumerate(zip(prompts, max_tokens))]
-    gen = _Generation(llm, feed(requests), on_finish, None, False)
+    gen = StepLoop(parts, GenerateCall.of(feed(requests), on_finish), 0)
     runner.scheduler = gen.scheduler
     schedule = gen.scheduler.schedule
 
@@ -112,14 +119,6 @@ def run_loop(prompts: list[list[int]], max_tokens: list[int], *, block_size: int
         return out
 
     gen.scheduler.schedule = counting_schedule
-    stops: list[StepPlan] = []
-
-    def broadcast(plan: StepPlan) -> StepPlan:
-        if plan.command == COMMAND_STOP:
-            stops.append(plan)
-        return runner.broadcast(plan)
-
-    llm.replica = SimpleNamespace(broadcast_object=broadcast)  # the replica's plan channel
     outs = gen.run()
     assert [o.error for o in outs] == [None] * len(prompts)
     for out, limit in zip(outs, max_tokens):

@@ -13,9 +13,16 @@ REPO = Path(__file__).resolve().parents[2]
 # package -> the spmd_engine packages it must never import (docs/ARCHITECTURE.md, "Packages")
 FORBIDDEN = {
     "spmd_engine.core": ("spmd_engine.executor", "spmd_engine.job", "spmd_engine.engine", "spmd_engine.api",
+                         "spmd_engine.step_loop", "spmd_engine.llm", "spmd_engine.tokenizer",
                          "spmd_engine.faults", "spmd_engine.telemetry", "spmd_engine.models", "spmd_engine.kernels"),
-    "spmd_engine.executor": ("spmd_engine.job", "spmd_engine.engine", "spmd_engine.api"),
-    "spmd_engine.engine": ("spmd_engine.job", "spmd_engine.api"),
+    "spmd_engine.executor": ("spmd_engine.job", "spmd_engine.engine", "spmd_engine.step_loop", "spmd_engine.llm",
+                             "spmd_engine.api"),
+    "spmd_engine.engine": ("spmd_engine.job", "spmd_engine.llm", "spmd_engine.api"),
+    # rank 0's loop: below the engine that starts it, above the scheduler and the executor it drives
+    "spmd_engine.step_loop": ("spmd_engine.job", "spmd_engine.engine", "spmd_engine.llm", "spmd_engine.api"),
+    "spmd_engine.llm": ("spmd_engine.job",),  # the public API stands without the Hydra job
+    "spmd_engine.tokenizer": ("spmd_engine.job", "spmd_engine.engine", "spmd_engine.llm", "spmd_engine.core",
+                              "spmd_engine.executor"),
     "spmd_engine.telemetry": ("spmd_engine.core", "spmd_engine.executor", "spmd_engine.job", "spmd_engine.engine"),
     "spmd_engine.models": ("spmd_engine.core", "spmd_engine.executor", "spmd_engine.job", "spmd_engine.engine",
                            "spmd_engine.faults", "spmd_engine.telemetry", "spmd_engine.config",
@@ -61,6 +68,39 @@ def test_packages_import_only_downwards(package):
            for target in targets if not target.startswith(package + ".")
            and any(target == f or target.startswith(f if f.endswith(".") else f + ".") for f in FORBIDDEN[package])]
     assert not bad, bad
+
+
+# what rank 0 does with a step's logits (logits processors, logprobs, sampler graphs, readback) is the
+# executor's StepSampler: the loop hands it logits and gets tokens, it does not orchestrate them
+SAMPLING_PARTS = ("spmd_engine.executor.logits_processors", "spmd_engine.executor.logprobs",
+                  "spmd_engine.executor.sampler_graphs", "spmd_engine.executor.token_readback")
+ENGINE_MAX_LINES = 450
+
+
+@pytest.mark.parametrize("module", ["spmd_engine.engine", "spmd_engine.step_loop"])
+def test_the_loop_leaves_sampling_to_the_step_sampler(module):
+    bad = sorted(t for t in GRAPH[module] if t.startswith(SAMPLING_PARTS))
+    assert not bad, f"{module} imports {bad}: go through executor/step_sampler.py"
+
+
+def test_engine_module_stays_short():
+    lines = len(MODULES["spmd_engine.engine"].read_text().splitlines())
+    assert lines <= ENGINE_MAX_LINES, f"engine.py has {lines} lines (at most {ENGINE_MAX_LINES}): move a concept out"
+
+
+def test_the_scheduler_takes_no_callbacks():
+    """The scheduler decides from its own state and core objects (stop strings: the OutputText given to
+    `Scheduler.add`); a callable parameter would let it call back into the engine mid-step."""
+    import inspect
+
+    from spmd_engine.core.scheduler import Scheduler
+
+    assert list(inspect.signature(Scheduler.postprocess).parameters) == ["self", "output", "sampled"]
+    source = MODULES["spmd_engine.core.scheduler"].read_text()
+    assert "Callable" not in source, "core/scheduler.py names Callable: no callbacks into its caller"
+    for name, method in inspect.getmembers(Scheduler, inspect.isfunction):
+        for param in inspect.signature(method).parameters.values():
+            assert "Callable" not in str(param.annotation), f"Scheduler.{name}({param.name}) is a callback"
 
 
 def test_no_import_cycles_between_modules():

@@ -6,11 +6,11 @@ from spmd_engine.job.prompts import (
     DEFAULT_PROMPTS,
     NO_TOKENIZER_ERROR,
     PromptRequest,
-    load_tokenizer,
     read_prompts,
     tokenize,
     validate_prompt,
 )
+from spmd_engine.tokenizer import load_tokenizer
 
 FRANCE = "What is the capital of France? Answer in one sentence."
 

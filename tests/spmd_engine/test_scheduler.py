@@ -406,3 +406,24 @@ def test_preempted_with_a_pending_token_waits_for_it(token, finished):
         while b.status is not SequenceStatus.RUNNING:
             out, _ = fixed_token_step(sched)
         assert b.num_computed_tokens == 17
+
+
+@pytest.mark.parametrize("min_tokens", [0, 4])
+def test_a_stop_string_given_at_admission_finishes_the_sequence(min_tokens):
+    """The scheduler follows a request's text itself (the OutputText given to `add`): the token that
+    completes a stop string finishes it, none before min_tokens; it asks its caller nothing."""
+    from spmd_engine.core.detokenizer import OutputText
+
+    sched = make()
+    params = SamplingParams(max_tokens=8, ignore_eos=True, stop=["cd"], min_tokens=min_tokens)
+    s = Sequence(0, [1, 2, 3], params)
+    sched.add(s, stop_text=OutputText(lambda ids: "".join(chr(ord("a") + t) for t in ids), [], ["cd"], False))
+    finished = []
+    for token in [1, 2, 3, 2, 3, 4]:  # b c d c d e: "cd" completes at the 3rd token, again at the 5th
+        out = sched.schedule()
+        finished += sched.postprocess(out, {0: token})
+        if finished:
+            break
+    assert finished == [s] and s.finish_reason == "stop" and s.stop_reason == "cd"
+    assert s.num_output_tokens == (3 if min_tokens == 0 else 5)
+    assert not sched.has_unfinished() and sched._stop_texts == {}

@@ -10,7 +10,8 @@ from spmd_engine.config import engine_config_from_dict
 from spmd_engine.core.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from spmd_engine.distributed import RankInfo
 from spmd_engine.engine import Engine
-from spmd_engine.job.prompts import PromptRequest, load_tokenizer
+from spmd_engine.job.prompts import PromptRequest
+from spmd_engine.tokenizer import load_tokenizer
 from spmd_engine.core.sequence import SamplingParams
 from tests.helpers.tiny_checkpoints import make_tiny_checkpoint
 

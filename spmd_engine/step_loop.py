@@ -1,0 +1,304 @@
+"""StepLoop: rank 0's loop for one generate call, the path every token takes.
+
+One turn, in order: the sampled step's tokens come to the host -> `Scheduler.postprocess` (appends
+them, finishes sequences, follows stop strings) -> requests admitted as the batch has room ->
+`Scheduler.schedule` -> `PlanBuilder.build` -> the plan broadcast to the replica -> `ModelRunner.stage`
+-> `StepSampler.sample` of the step in flight -> `ModelRunner.launch` (its logits feed the next turn's
+sampling). Each stage gets its inputs as arguments; nothing is read from a shared context.
+
+With async_scheduling (the default) the loop runs one step ahead of the GPU: while step N runs it
+post-processes step N-1's tokens and plans, sends and stages step N+1; step N+1 takes the tokens
+step N samples straight from the device, so the GPU never waits for the host's planning.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from spmd_engine.config import EngineConfig
+from spmd_engine.core.detokenizer import OutputText
+from spmd_engine.core.plan import PlanBuilder, StepPlan
+from spmd_engine.core.requests import (NOT_YET, PolledRequests, PromptRequest, RequestOutput, polled,
+                                       validate_prompt)
+from spmd_engine.core.scheduler import ScheduleOutput, Scheduler
+from spmd_engine.core.sequence import SamplingParams, Sequence, SequenceStatus
+from spmd_engine.distributed import Replica
+from spmd_engine.executor.model_runner import ModelRunner, StagedStep
+from spmd_engine.executor.sampler import request_seed
+from spmd_engine.executor.step_sampler import LaunchedStep, SampledStep, StepSampler
+from spmd_engine.faults.progress import StepProgress
+from spmd_engine.telemetry.gpu_timeline import GpuTimeline
+from spmd_engine.telemetry.step_timing import PhaseClock, StepTimer
+
+log = logging.getLogger("spmd_engine.engine")
+
+
+@dataclass(frozen=True)
+class LoopParts:
+    """What rank 0's loop drives, handed over by the engine for one generate call."""
+
+    cfg: EngineConfig
+    scheduler: Scheduler  # the engine's, for its life (its prefix cache outlives the call)
+    runner: ModelRunner
+    replica: Replica  # its broadcast_object sends the plans
+    progress: StepProgress  # stamped per step; the watchdog reads it
+    device: torch.device
+    vocab_size: int
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class GenerateCall:
+    """One generate call's requests and where their outputs go (Engine.generate's arguments)."""
+
+    requests: PolledRequests
+    total: int | None  # the number of requests when known (the progress bar's total)
+    on_finish: Callable[[RequestOutput], None]
+    decode: Callable[[list[int]], str] | None  # the tokenizer's decode (None: no text, no stop strings)
+    token_text: Callable[[int], str] | None  # one token's text, for the logprobs' alternatives
+    progress: bool = False
+    keep_outputs: bool = True
+
+    @classmethod
+    def of(cls, requests: Iterable[PromptRequest] | PolledRequests,
+           on_finish: Callable[[RequestOutput], None] | None = None, decode: Callable[[list[int]], str] | None = None,
+           token_text: Callable[[int], str] | None = None, progress: bool = False,
+           keep_outputs: bool = True) -> "GenerateCall":
+        """Engine.generate's arguments, defaults filled in (`token_text` None: decode([id]))."""
+        return cls(polled(requests), len(requests) if hasattr(requests, "__len__") else None,
+                   on_finish or (lambda out: None), decode,
+                   token_text or ((lambda t: decode([t])) if decode else None), progress, keep_outputs)
+
+
+class StepLoop:
+    """Rank 0's state for one generate call: the requests in flight, the steps in flight, the outputs."""
+
+    def __init__(self, parts: LoopParts, call: GenerateCall, first_step: int) -> None:
+        self.parts, self.call = parts, call
+        self.scheduler = parts.scheduler
+        self.preemptions_before = self.scheduler.num_preemptions
+        self.builder = PlanBuilder()
+        self.sampling = StepSampler(parts.device, self.scheduler.eos_token_ids, parts.runner.sampler_graphs,
+                                    call.token_text)
+        self.generation = first_step  # tells this generate call's unseeded request seeds from another's
+        self.step = first_step  # the engine's step counter, handed back at the end with `summary`
+        self.summary: dict[str, Any] = {}
+        self.outputs: list[RequestOutput] = []
+        self.live: dict[int, tuple[Sequence, RequestOutput]] = {}
+        self.texts: dict[int, OutputText] = {}  # seq_id -> its followed text (requests with stop strings)
+        self.fed = 0  # requests pulled so far: the next one's seq_id
+        self.fed_all = False
+        self.cached_tokens = 0
+
+    # --- admission ---------------------------------------------------------------------------
+    def _refill(self) -> None:
+        """Pull requests until the batch could be full (waiting + running reach max_num_seqs) or the
+        source ends: a lazy source is read, tokenized or handed out only as this replica has room.
+        A polled source waits only while nothing runs; with sequences running, "not yet" ends the
+        refill and the loop keeps stepping them (it asks again next step)."""
+        scheduler, room = self.scheduler, self.parts.cfg.max_num_seqs
+        # A step takes at most max_num_batched_tokens from the waiting queue, FCFS: admitting beyond that
+        # changes no schedule and only puts host work before the first launch (256 bench requests: ~40 ms
+        # of admission before step 0); later steps admit the rest while the GPU runs the one in flight.
+        step_tokens, queued = self.parts.cfg.max_num_batched_tokens, None
+        while not self.fed_all and scheduler.num_waiting + scheduler.num_running < room:
+            queued = scheduler.num_waiting_tokens if queued is None else queued
+            if queued >= step_tokens:
+                return
+            request = self.call.requests.poll(wait=not scheduler.has_unfinished())
+            if request is NOT_YET:
+                return
+            if request is None:
+                self.fed_all = True
+                return
+            queued += self._admit(self.fed, request)
+            self.fed += 1
+
+    def _admit(self, seq_id: int, req: PromptRequest) -> int:
+        """Queue `req` as sequence `seq_id` (or finish it as an error row) -> the tokens it queued."""
+        out = RequestOutput(req.index, req.prompt, req.prompt_token_ids, None, [], "error", req.error,
+                            custom_id=getattr(req, "custom_id", None))
+        if self.call.keep_outputs:
+            self.outputs.append(out)
+        params = self._checked_params(req, out)
+        if out.error is not None:
+            out.text = None
+            self.call.on_finish(out)
+            self.bar.update(1)
+            return 0
+        seed = params.seed if params.seed is not None else request_seed(self.parts.cfg.seed, self.generation,
+                                                                         req.index)
+        seq = Sequence(seq_id, req.prompt_token_ids, params, sampling_seed=seed)
+        text = None
+        if params.stop:
+            text = self.texts[seq_id] = OutputText(self.call.decode, seq.prompt_token_ids, params.stop,
+                                                   params.include_stop_str_in_output)
+        self.sampling.admit(seq)
+        self.scheduler.add(seq, stop_text=text)
+        self.live[seq_id] = (seq, out)
+        return self.scheduler.tokens_to_compute(seq)
+
+    def _checked_params(self, req: PromptRequest, out: RequestOutput) -> SamplingParams | None:
+        """The request's sampling over the config's defaults; a request that cannot run sets `out.error`."""
+        if out.error is not None:
+            return None
+        try:
+            params = SamplingParams.from_dict(req.overrides, self.parts.cfg.sampling)
+            out.error = validate_prompt(req.prompt_token_ids, self.parts.vocab_size, self.parts.max_model_len)
+            if out.error is None and params.stop and self.call.decode is None:
+                out.error = "sampling.stop needs the checkpoint's tokenizer (stop strings are matched on the " \
+                            "text); use stop_token_ids"
+        except ValueError as exc:
+            out.error = str(exc)
+            return None
+        return params
+
+    # --- the loop ----------------------------------------------------------------------------
+    def run(self) -> list[RequestOutput]:
+        self.start = time.perf_counter()
+        self.bar = _progress_bar(self.call.total, self.call.progress)
+        loop = _InFlight(StepTimer(), GpuTimeline(self.parts.device.type == "cuda"))
+        while self._step(loop):
+            pass
+        self._stop(loop)
+        self.outputs.sort(key=lambda o: o.index)
+        return self.outputs
+
+    def _step(self, loop: _InFlight) -> bool:
+        """One turn of the loop: collect the step sampled last, plan the next one and send it, stage its
+        inputs, sample the step in flight (its tokens are the new plan's deferred inputs), launch.
+        False once nothing is left to run."""
+        clock, parts = loop.clock, self.parts
+        clock.lap("postprocess")  # the previous turn's bookkeeping (counting it, the loop) since its last lap
+        parts.progress.step(self.step)
+        tokens = loop.sampled.host_tokens() if loop.sampled is not None else None  # waits for the GPU
+        clock.lap("wait")
+        if loop.sampled is not None:
+            self._postprocess(loop.sampled, tokens)
+            loop.sampled = None
+        self._refill()
+        clock.lap("postprocess")
+        if loop.launched is None and not self.scheduler.has_unfinished():
+            return False
+        schedule = self.scheduler.schedule()
+        # every schedule goes through the builder, even one that runs nothing: it may still have
+        # preempted or finished sequences, whose drops the builder sends with the next plan
+        plan = self.builder.build(schedule, self.step)
+        if plan is None:  # every running sequence waits for the step in flight
+            if loop.launched is None:
+                raise RuntimeError("scheduler made no progress (no sequence fits the KV pool)")
+            self._sample_in_flight(loop)
+            return True
+        clock.lap("schedule")
+        parts.replica.broadcast_object(plan)
+        clock.lap("broadcast")
+        staged = parts.runner.stage(plan)
+        clock.lap("inputs")
+        self._sample_in_flight(loop)
+        clock.lap("sample")
+        self._launch(loop, schedule, staged)
+        clock.lap("forward")
+        if not parts.cfg.async_scheduling:
+            self._sample_in_flight(loop)
+        clock.lap("sample")
+        loop.count(plan, staged.launch_kind)
+        self.step += 1
+        return True
+
+    def _launch(self, loop: _InFlight, schedule: ScheduleOutput, staged: StagedStep) -> None:
+        """Launch a staged step's forward; its inputs deferred to the step in flight take that step's tokens."""
+        runner = self.parts.runner
+        loop.timeline.mark(loop.steps, "forward_start")
+        logits = runner.launch(staged, loop.sampled.tokens if loop.sampled is not None else None)
+        loop.timeline.mark(loop.steps, "forward_end")
+        self.parts.progress.forward_issued()
+        prompt_logprobs = self.sampling.queue_prompt_logprobs(schedule, runner.last_prompt_logits)
+        loop.launched = LaunchedStep(schedule, logits, loop.steps, prompt_logprobs, runner.sampler_graph_rows(staged))
+
+    def _sample_in_flight(self, loop: _InFlight) -> None:
+        """Queue sampling of the launched step, if any: it becomes the sampled step."""
+        if loop.launched is not None:
+            loop.sampled, loop.launched = self.sampling.sample(loop.launched, loop.timeline), None
+
+    def _stop(self, loop: _InFlight) -> None:
+        """Send every rank the stop plan, then summarise the call's steps into `summary`."""
+        parts = self.parts
+        stop = self.builder.stop_plan(self.step)
+        parts.replica.broadcast_object(stop)
+        parts.runner.apply_stop(stop)
+        parts.progress.idle()
+        self.bar.close()
+        loop.timer.set_gpu_idle(loop.timeline.idle_ms(), loop.timeline.busy_ms())
+        cached = self.cached_tokens
+        preemptions = self.scheduler.num_preemptions - self.preemptions_before
+        self.summary = {"steps": loop.steps, "decode_steps": loop.decode_steps,
+                        "async_scheduling": parts.cfg.async_scheduling, "preemptions": preemptions,
+                        "cached_prompt_tokens": cached, "sampler_graph_steps": self.sampling.graph_steps,
+                        "step_timing": loop.timer.summary()}
+        log.info("generate: %d steps (%d decode), %d preemptions, %d prompt tokens from the prefix cache",
+                 loop.steps, loop.decode_steps, preemptions, cached)
+
+    # --- outputs -----------------------------------------------------------------------------
+    def _postprocess(self, sampled: SampledStep, tokens: np.ndarray) -> None:
+        self.sampling.collect(sampled, tokens)
+        now = time.perf_counter() - self.start
+        by_seq: dict[int, int] = {}
+        live, finished = self.live, SequenceStatus.FINISHED
+        for seq, token in zip(sampled.seqs, tokens.tolist()):  # Python ints at once, not one int() per row
+            if seq.status is finished:
+                continue
+            out = live[seq.seq_id][1]
+            if out.first_token_time is None:
+                out.first_token_time = now
+            out.token_times.append(now)
+            by_seq[seq.seq_id] = token
+        for seq in self.scheduler.postprocess(sampled.schedule, by_seq):
+            self._finish(seq)
+            self.bar.update(1)
+
+    def _finish(self, seq: Sequence) -> None:
+        _, out = self.live.pop(seq.seq_id)
+        out.token_ids = list(seq.output_token_ids)
+        out.finish_reason = seq.finish_reason
+        out.stop_reason = seq.stop_reason
+        out.logprobs, out.prompt_logprobs = self.sampling.release(seq.seq_id)
+        out.num_cached_tokens = seq.num_cached_tokens
+        self.cached_tokens += seq.num_cached_tokens
+        followed = self.texts.pop(seq.seq_id, None)
+        if followed is not None and followed.match is not None:
+            out.text = followed.match.text  # cut at the stop string (or just after it)
+        else:
+            out.text = self.call.decode(out.token_ids) if self.call.decode else None
+        self.call.on_finish(out)
+
+
+@dataclass
+class _InFlight:
+    """The loop's steps between launch and collection, and its step counts (one generate call)."""
+
+    timer: StepTimer
+    timeline: GpuTimeline
+    launched: LaunchedStep | None = None  # forward queued, logits not sampled yet
+    sampled: SampledStep | None = None  # tokens sampled on the device, not yet on the host
+    steps: int = 0
+    decode_steps: int = 0
+    clock: PhaseClock = field(default_factory=PhaseClock)  # runs for the whole loop (PhaseClock.take)
+
+    def count(self, plan: StepPlan, launch_kind: str) -> None:
+        """Count a launched step and record its host phases and how it ran (decode graph, piecewise, eager)."""
+        self.timer.add(plan.num_seqs, plan.num_tokens, plan.is_decode, num_decode_seqs=int((plan.query_lens == 1).sum()),
+                       launch=launch_kind, **self.clock.take())
+        self.steps += 1
+        self.decode_steps += int(plan.is_decode)
+
+
+def _progress_bar(total: int | None, enabled: bool):
+    from tqdm import tqdm
+    return tqdm(total=total, desc="requests", unit="req", disable=not enabled or (total or 0) < 2,
+                dynamic_ncols=True)
