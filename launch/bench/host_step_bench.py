@@ -4,7 +4,7 @@ Why: on an H200 a decode step of 256 sequences takes ~6.3 ms of GPU time and asy
 overlaps the host's work with it, so once rank 0's Python (schedule, plan, staging, sampling launch,
 postprocess, finishing requests, outputs.jsonl rows) takes as long per step, the job is host-bound.
 This runs that host path as the job runs it, on CPU, so it can be measured and profiled anywhere:
-`_Generation` with the real Scheduler, PlanBuilder, BlockTableMirror, build_host_batch and input
+`StepLoop` with the real Scheduler, PlanBuilder, BlockTableMirror, build_host_batch and input
 buffers (padded like the decode graphs / piecewise buckets), the real Sampler over a small
 vocabulary, postprocess and finishing, and the job's row sink writing outputs.jsonl into a temp dir.
 Only the forward is fake: it returns a cached logits tensor.
@@ -65,6 +65,7 @@ def main() -> None:
 
     import spmd_engine
     import spmd_engine.engine as engine_module
+    from spmd_engine.step_loop import GenerateCall, LoopParts, StepLoop
     from spmd_engine.config import EngineConfig, ModelConfig, WorkloadConfig
     from spmd_engine.core.plan import StepPlan
     from spmd_engine.core.sequence import SamplingParams
@@ -101,6 +102,7 @@ def main() -> None:
             self.buckets = piecewise_token_buckets(args.max_num_batched_tokens)
             self.logits = torch.randn(args.max_num_seqs, args.vocab, generator=torch.Generator().manual_seed(0))
             self.last_prompt_logits = None
+            self.sampler_graphs = None  # as on CPU: every step samples eagerly
 
         def stage(self, plan: StepPlan) -> SimpleNamespace:
             host = build_host_batch(plan, self.mirror.apply(plan), args.block_size)
@@ -132,13 +134,10 @@ def main() -> None:
     cfg.workload.params = params
     requests = bench_requests(params)
     runner = CachedLogitsRunner()
-    llm = SimpleNamespace(cfg=cfg, max_model_len=args.max_model_len, runner=runner, device=torch.device("cpu"),
-                          scheduler=engine_module.new_scheduler(cfg, args.max_model_len, num_blocks, [eos]),
-                          shape=SimpleNamespace(eos_token_ids=[eos], vocab_size=151936), step=0,
-                          step_progress=StepProgress(), faults=SimpleNamespace(before_step=lambda step: None),
-                          replica=SimpleNamespace(broadcast_object=lambda plan: plan))
-    if hasattr(engine_module, "broadcast_object"):  # before the replicas: a module-level broadcast
-        engine_module.broadcast_object = lambda plan: plan
+    scheduler = engine_module.new_scheduler(cfg, args.max_model_len, num_blocks, [eos])
+    replica = SimpleNamespace(broadcast_object=lambda plan: plan)
+    parts = LoopParts(cfg, scheduler, runner, replica, StepProgress(), torch.device("cpu"), 151936,
+                      args.max_model_len)
     gc.freeze()  # as Engine does: the block manager's bookkeeping stays out of the collector's passes
 
     out_dir = Path(tempfile.mkdtemp(prefix="host_step_bench_"))
@@ -154,7 +153,7 @@ def main() -> None:
         sampling = {r.index: {**vars(cfg.sampling), **r.overrides} for r in requests}
         writer = OutputsWriter(path, sampling_of=sampling.get)
         source, on_finish = requests, writer.write
-    generation = engine_module._Generation(llm, source, on_finish, None, False)
+    generation = StepLoop(parts, GenerateCall.of(source, on_finish), 0)
 
     profiler = cProfile.Profile() if args.profile else None
     started = time.perf_counter()
