@@ -18,6 +18,14 @@ def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_ids(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny_qwen3's weights without its tokenizer, for token-id jobs that check no text: no rank then
+    imports transformers (~1.3 s of CPU a process, `python -X importtime run.py ...`)."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("e2e") / "tiny-qwen3-ids", arch="qwen3",
+                                max_position_embeddings=128, tokenizer=False)
+
+
+@pytest.fixture(scope="session")
 def smollm2_single(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[EngineRun, Path]:
     """`python run.py` on the real SmolLM2 (greedy, the France prompt): the run and its job dir."""
     cwd = tmp_path_factory.mktemp("smollm2-single")

@@ -2,7 +2,8 @@
 outputs.jsonl in submission order, with the requests handed out as the replicas ask for them.
 
 One sequence at a time per replica (max_num_seqs=1): a replica claims one request at a time and every
-replica gets work.
+replica gets work. Token-id jobs that check no text run a checkpoint without a tokenizer (every replica's
+leader would otherwise import transformers); the resume test keeps it, its rows' text is compared.
 """
 from __future__ import annotations
 
@@ -32,9 +33,9 @@ def _replica_requests(job_dir: Path) -> list[int]:
 @pytest.mark.parametrize("nproc,keys", [(2, {"data_parallel_size": 2}), (3, {"data_parallel_size": 3}),
                                         (4, {"data_parallel_size": 2, "tensor_parallel_size": 2})],
                          ids=["dp2", "dp3", "dp2xtp2"])
-def test_replicas_give_the_one_process_tokens_in_one_outputs_file(tiny_qwen3: Path, tmp_path: Path, nproc, keys):
+def test_replicas_give_the_one_process_tokens_in_one_outputs_file(tiny_qwen3_ids: Path, tmp_path: Path, nproc, keys):
     prompts = write_prompts_file(tmp_path / "prompts.jsonl", PROMPTS)
-    args = tiny_args(tiny_qwen3, tmp_path / "job", prompts, max_num_seqs=1, **{"sampling.max_tokens": 24})
+    args = tiny_args(tiny_qwen3_ids, tmp_path / "job", prompts, max_num_seqs=1, **{"sampling.max_tokens": 24})
     _run([*args, *(f"{k}={v}" for k, v in keys.items())], tmp_path, nproc)
     assert token_ids(tmp_path / "job") == generate_in_process(args)  # read_outputs: one row per index, in order
     counts = _replica_requests(tmp_path / "job")
@@ -47,13 +48,13 @@ def test_replicas_give_the_one_process_tokens_in_one_outputs_file(tiny_qwen3: Pa
 
 
 @pytest.mark.slow
-def test_a_replica_given_a_long_request_takes_fewer_requests(tiny_qwen3: Path, tmp_path: Path):
+def test_a_replica_given_a_long_request_takes_fewer_requests(tiny_qwen3_ids: Path, tmp_path: Path):
     """Request 0 generates 120 tokens, the 15 others 1 each, one sequence per replica at a time: the
     replica that drew request 0 must not get half of the job (a split up front gives 8 and 8)."""
     rows = [{"prompt_token_ids": [5, 6, 7], "max_tokens": 120}] + [{"prompt_token_ids": [9, i], "max_tokens": 1}
                                                                    for i in range(15)]
     prompts = write_prompts_file(tmp_path / "prompts.jsonl", rows)
-    args = tiny_args(tiny_qwen3, tmp_path / "job", prompts, max_num_seqs=1, data_parallel_size=2)
+    args = tiny_args(tiny_qwen3_ids, tmp_path / "job", prompts, max_num_seqs=1, data_parallel_size=2)
     _run(args, tmp_path, nproc=2)
     outputs = read_outputs(tmp_path / "job")
     assert [len(r["token_ids"]) for r in outputs] == [120] + [1] * 15
@@ -92,7 +93,7 @@ def test_smollm2_three_replicas_match_one_process(smollm2_dir: Path, tmp_path: P
 
 
 @pytest.mark.slow
-def test_two_replicas_metrics_total_every_replica(tiny_qwen3: Path, tmp_path: Path):
+def test_two_replicas_metrics_total_every_replica(tiny_qwen3_ids: Path, tmp_path: Path):
     """metrics.json of a dp=2 bench job describes the whole job, not replica 0: engine steps summed over
     the replicas (each one's kept), requests / tokens / busy time totalled as outputs.jsonl has them, and
     the bench's tok/s is every output token over the wall time, per GPU that over the 2 ranks."""
@@ -100,7 +101,7 @@ def test_two_replicas_metrics_total_every_replica(tiny_qwen3: Path, tmp_path: Pa
     bench = ["workload=bench", "workload.num_seqs=10", "workload.min_input_len=4", "workload.max_input_len=24",
              "workload.min_output_len=3", "workload.max_output_len=6", "workload.token_id_max=290",
              "workload.warmup=false"]
-    args = tiny_args(tiny_qwen3, tmp_path / "job", prompts, max_num_seqs=1, data_parallel_size=2)
+    args = tiny_args(tiny_qwen3_ids, tmp_path / "job", prompts, max_num_seqs=1, data_parallel_size=2)
     _run([*args, *bench], tmp_path, nproc=2)
     rows = read_outputs(tmp_path / "job")
     metrics = read_metrics(tmp_path / "job")

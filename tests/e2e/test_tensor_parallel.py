@@ -33,11 +33,12 @@ SMOLLM2_ARGS = [f"prompts={json.dumps([FRANCE, 'Name a colour.'])}", "sampling.t
 
 
 @pytest.fixture(scope="module")
-def tiny_models(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """2 KV heads (split over 2 ranks) and 1 KV head (replicated on both ranks), 4 query heads each."""
+def tiny_models(tiny_qwen3_ids: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """2 KV heads (split over 2 ranks) and 1 KV head (replicated on both ranks), 4 query heads each; no
+    tokenizer (token-id prompts, no text checked): rank 0 does not import transformers."""
     kv1 = make_tiny_checkpoint(tmp_path_factory.mktemp("kv1") / "tiny-kv1", arch="qwen3", num_kv_heads=1,
                                max_position_embeddings=128, tokenizer=False)
-    return {"kv2": tiny_qwen3, "kv1": kv1}
+    return {"kv2": tiny_qwen3_ids, "kv1": kv1}
 
 
 # case -> (tiny model, extra keys)

@@ -1,6 +1,6 @@
 """Shared pieces of the launch tests: run.py's arguments, a clean environment, bounded subprocesses.
 
-Every end-to-end launch test compares greedy tokens against one single-process run, so the
+Every end-to-end launch test compares greedy tokens against one single-rank reference, so the
 arguments and the way results are read live here once.
 """
 from __future__ import annotations
@@ -72,12 +72,6 @@ def run_together(launches: list[tuple[list[str], dict[str, str]]], log_dir: Path
             log.close()
     logs = "\n".join(f"--- proc{i}\n" + (Path(log_dir) / f"proc{i}.log").read_text()[-3000:] for i in range(len(procs)))
     assert codes == [0] * len(launches), f"exit codes {codes}\n{logs}"
-
-
-def single_process_run(ckpt: Path, out_dir: Path, timeout_s: float = 120) -> list[list[int]]:
-    """Greedy token ids per prompt from a plain `python run.py` (the reference for every launch)."""
-    run_checked([sys.executable, str(RUN_PY), *engine_args(ckpt), f"hydra.run.dir={out_dir}"], timeout_s)
-    return token_ids(out_dir)
 
 
 def token_ids(job_dir: Path) -> list[list[int]]:
