@@ -1,8 +1,10 @@
 """torch's intra-op threads on a CPU job, chosen from the cores this process may use and the ranks that share them.
 
-Why: torch's default is one thread per core for every rank, and a decode step's many tiny ops then
-spin-wait on oversubscribed cores. On a 2-core machine under load, SmolLM2 decode took 1.5-2.0 s a
-token with the default threads against 0.15 s with one (`python run.py`, same load, same process).
+Why: torch's default is one thread per core for every rank, so N ranks on one node run N x cores
+threads, and a decode step's many tiny ops then spin-wait on oversubscribed cores. 2-core machine
+loaded by other work, `python run.py` (SmolLM2, 4 chat prompts): ITL p50 1.33-1.78 s with 2 threads
+against 0.18 s with `cpu_threads=1` (463-612 s against 58 s a job). The auto share keeps ranks from
+oversubscribing each other; it cannot see other processes' load: set cpu_threads (or OMP_NUM_THREADS).
 """
 from __future__ import annotations
 
