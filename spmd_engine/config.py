@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import types
 import typing
 from collections.abc import Iterable
@@ -15,6 +16,7 @@ from typing import Any
 
 from spmd_engine.core.sequence import SamplingParams
 
+log = logging.getLogger("spmd_engine")
 MAX_SEQS_PER_STEP = 65535  # a CUDA grid's y / z limit (see the max_num_seqs check)
 
 
@@ -34,6 +36,37 @@ class ModelConfig:
 class WorkloadConfig:
     name: str  # chat | bench
     params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class DebugConfig:
+    """Developer overrides (`debug.KEY=false`) for A/B benches, kept out of the README's key table.
+
+    Why a group of its own: each path below is taken wherever the hardware and shapes allow it, so a
+    user has nothing to choose; true (the default) lets the engine decide, false forces the fallback
+    everywhere. The start-up log line says which paths act."""
+
+    # CUDA, bf16/fp16: matmuls of <= 16 rows (small-batch decode) and the LM head by a Triton split-K GEMV
+    # (kernels/gemv.py) reading the weights near bandwidth; false: cuBLAS at every size
+    small_batch_gemv: bool = True
+    # CUDA sm_90+: the decode CUDA graphs of at most 128 rows (executor/cuda_graphs.PDL_MAX_ROWS) launch their
+    # Triton kernels with Programmatic Dependent Launch (kernels/pdl.py; same bits); false: no PDL anywhere
+    cuda_pdl: bool = True
+    # CUDA sm_89+ with kv_cache_dtype=fp8: decode steps attend with the NVRTC-compiled CUDA kernel
+    # (kernels/decode_attention_fp8_cuda.py; head_dim 128, <= 8 query heads per KV head, block_size >= 4);
+    # other shapes, no NVRTC, or false: Triton
+    cuda_fp8_decode: bool = True
+    # CUDA sm_80+ with a bf16/fp16 cache: decode steps attend with the CUDA kernel of the same design
+    # (kernels/decode_attention_cuda.py; head_dim 128, <= 8 query heads per KV head, block_size >= 2);
+    # other shapes, no NVRTC, or false: Triton
+    cuda_decode: bool = True
+    # CUDA: rank 0 draws an all-greedy or all-plain-temperature decode step by replaying a CUDA graph of the
+    # sampler (executor/sampler_graphs.py: the same kernels and tokens); CPU / enforce_eager: eager anyway
+    sampler_graphs: bool = True
+
+
+# the five switches' old top-level spellings: still accepted (null = unset), folded into debug.* with a warning
+DEPRECATED_DEBUG_KEYS = tuple(f.name for f in dataclasses.fields(DebugConfig))
 
 
 @dataclass
@@ -71,32 +104,14 @@ class EngineConfig:
     # auto | nccl | symm_mem: how those all-reduces run; symm_mem = torch symmetric memory one-shot kernels
     # (small messages, CUDA graphs; NCCL above its buffer), auto = symm_mem where the GPUs can map each other
     tp_allreduce: str = "nccl"  # auto (symm_mem where it runs) becomes the default once measured on 2 GPUs
-    # CUDA matmuls of <= 16 rows (small-batch decode) and the LM head by a Triton split-K GEMV reading the
-    # weights near bandwidth; false: cuBLAS for every size
-    small_batch_gemv: bool = True
-    # CUDA sm_90+: the decode CUDA graphs of at most 128 rows (executor/cuda_graphs.PDL_MAX_ROWS) launch their
-    # Triton kernels with Programmatic Dependent Launch (kernels/pdl.py: the next kernel's launch overlaps the
-    # previous one's tail; same bits); a silent no-op elsewhere
-    cuda_pdl: bool = True
-    # CUDA sm_89+ with kv_cache_dtype=fp8: decode steps attend with a CUDA C++ kernel compiled at start-up by
-    # NVRTC (kernels/decode_attention_fp8_cuda.py: e4m3 bytes straight into the MMA fragments; head_dim 128, at
-    # most 8 query heads per KV head, block_size >= 4); other shapes, mixed steps, no NVRTC, or false: Triton
-    cuda_fp8_decode: bool = True
-    # CUDA sm_80+ with a bf16/fp16 cache: decode steps attend with the CUDA C++ kernel of the same design
-    # (kernels/decode_attention_cuda.py; head_dim 128, at most 8 query heads per KV head, block_size >= 2;
-    # H200 nano bench 27,320-27,520 against 26,600 tok/s on Triton); other shapes, mixed steps, false: Triton
-    cuda_decode: bool = True
-    # CUDA: rank 0 draws a decode step whose rows are all plain-temperature or all greedy by replaying a
-    # CUDA graph of the sampler (executor/sampler_graphs.py: the same kernels and tokens, ~one launch of
-    # host work instead of several); every other step samples eagerly; a silent no-op on CPU / enforce_eager
-    sampler_graphs: bool = True
     seed: int = 0
     tensor_parallel_size: int | None = None  # ranks per replica; None: derived from the world size
     data_parallel_size: int | None = None  # replicas of tensor_parallel_size ranks each; None: derived
     dist_timeout_s: float = 45.0  # no rank making progress (computing, a new step) this long ends the job
     startup_timeout_s: float = 600.0  # rendezvous wait and collectives before generation
     log_level: str = "INFO"
-    fault: dict[str, Any] | None = None  # test-only fault injection (see spmd_engine/faults/injection.py)
+    cpu_threads: int | None = None  # torch intra-op threads per rank on CPU; None: cores available / ranks on the node
+    debug: DebugConfig = field(default_factory=DebugConfig)  # developer overrides for A/B benches (debug.*)
 
     def validate(self, world_size: int) -> None:
         """Raise ConfigError on the first bad key (checks that need no model or device)."""
@@ -136,6 +151,8 @@ class EngineConfig:
         self.parallel_sizes(world_size)
         _check(self.dist_timeout_s > 0, f"dist_timeout_s must be > 0, got {self.dist_timeout_s}")
         _check(self.startup_timeout_s > 0, f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")
+        _check(self.cpu_threads is None or self.cpu_threads >= 1,
+               f"cpu_threads must be >= 1 or null (null: cores available / ranks on the node), got {self.cpu_threads}")
         _check(not (self.prompts is not None and self.prompts_file is not None),
                "give either prompts or prompts_file, not both")
         _check(self.chat_template_kwargs is None or isinstance(self.chat_template_kwargs, dict),
@@ -199,18 +216,21 @@ def startup_settings(raw: dict[str, Any]) -> StartupSettings:
 
 DEFAULTS_CONFIG = "engine_defaults"  # the ConfigStore entry conf/config.yaml's defaults list starts with
 _GROUP_KEYS = ("model", "workload")  # chosen by conf/'s config groups
-_ADDED_KEYS = ("fault",)  # test-only, added whole with +fault.*: absent from the composed config
 
 
 def config_defaults() -> dict[str, Any]:
     """Every engine key of the composed config with its default, read from the dataclasses above (and
-    SamplingParams for sampling.*): the one place a default is written down; conf/ holds none."""
+    SamplingParams for sampling.*): the one place a default is written down; conf/ holds none.
+
+    The deprecated top-level switches are there as null (unset) so that `cuda_pdl=false` still composes
+    (Hydra refuses a key its config lacks) and a multirun can still sweep them."""
     defaults: dict[str, Any] = {}
     for f in dataclasses.fields(EngineConfig):
-        if f.name in _GROUP_KEYS + _ADDED_KEYS:
+        if f.name in _GROUP_KEYS:
             continue
         value = f.default_factory() if f.default is dataclasses.MISSING else f.default
         defaults[f.name] = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+    defaults.update(dict.fromkeys(DEPRECATED_DEBUG_KEYS))
     return defaults
 
 
@@ -229,7 +249,7 @@ def _check(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-_SECTIONS = ("model", "workload", "sampling")  # nested groups; every other key is an EngineConfig field
+_SECTIONS = ("model", "workload", "sampling", "debug")  # nested groups; every other key is an EngineConfig field
 _MODEL_KEYS = ("name", "path", "load_format", "hf_config")
 _TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
@@ -312,6 +332,25 @@ def sampling_defaults_from_dict(sampling: dict[str, Any]) -> SamplingParams:
         raise ConfigError(str(exc)) from None
 
 
+def debug_from_dict(debug: dict[str, Any], old: dict[str, Any]) -> DebugConfig:
+    """`debug.*` typed, with the old top-level spellings in `old` (null: unset) laid over it, each said once."""
+    _reject_unknown(debug, DEPRECATED_DEBUG_KEYS, "debug.")
+    merged = {key: _typed(f"debug.{key}", value, bool) for key, value in debug.items()}
+    for key, value in old.items():
+        if value is not None:
+            merged[key] = _typed(key, value, bool)
+            _warn_deprecated(key)
+    return DebugConfig(**merged)
+
+
+def _warn_deprecated(key: str) -> None:
+    """One line per old spelling, on the first rank only (every rank builds the same config)."""
+    from spmd_engine.distributed import discover_ranks
+
+    if discover_ranks().is_first:
+        log.warning("%s is deprecated; use debug.%s (the engine picks the path itself)", key, key)
+
+
 def engine_config_from_dict(cfg: dict[str, Any]) -> EngineConfig:
     """Build an EngineConfig from the plain dict of a composed Hydra config.
 
@@ -327,6 +366,8 @@ def engine_config_from_dict(cfg: dict[str, Any]) -> EngineConfig:
     model = dict(cfg.pop("model", None) or {})
     workload = dict(cfg.pop("workload", None) or {"name": "chat"})
     sampling = dict(cfg.pop("sampling", None) or {})
+    debug = dict(cfg.pop("debug", None) or {})
+    old_switches = {key: cfg.pop(key) for key in DEPRECATED_DEBUG_KEYS if key in cfg}
     hints = typing.get_type_hints(EngineConfig)
     top_level = [f.name for f in dataclasses.fields(EngineConfig) if f.name not in _SECTIONS]
     _reject_unknown(cfg, top_level + list(_SECTIONS))
@@ -343,6 +384,7 @@ def engine_config_from_dict(cfg: dict[str, Any]) -> EngineConfig:
         hf_config=dict(hf_config),
     )
     sampling_cfg = sampling_defaults_from_dict(sampling)
+    debug_cfg = debug_from_dict(debug, old_switches)
     workload_name = str(workload.pop("name", "chat"))
     workload_cfg = WorkloadConfig(name=workload_name, params=_workload_params(workload_name, workload))
     if cfg.get("prompts") is not None:
@@ -352,4 +394,4 @@ def engine_config_from_dict(cfg: dict[str, Any]) -> EngineConfig:
         if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
             raise ConfigError("prompts must be a list of strings, e.g. prompts='[\"Hello\"]'")
         cfg["prompts"] = prompts
-    return EngineConfig(model=model_cfg, workload=workload_cfg, sampling=sampling_cfg, **cfg)
+    return EngineConfig(model=model_cfg, workload=workload_cfg, sampling=sampling_cfg, debug=debug_cfg, **cfg)

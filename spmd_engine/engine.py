@@ -26,7 +26,6 @@ from spmd_engine.executor.model_runner import ModelRunner, RunnerSettings
 from spmd_engine.executor.model_source import ModelSource, resolve_model_source
 from spmd_engine.executor.tp_allreduce import (ProcessGroupAllReduce, SymmMemAllReduce, TpAllReduceUnavailable,
                                                TpGroup, make_tp_allreduce, symm_mem_buffer_bytes)
-from spmd_engine.faults.injection import FaultInjector
 from spmd_engine.faults.preflight import check_checkpoint_files
 from spmd_engine.faults.progress import StepProgress
 from spmd_engine.step_loop import GenerateCall, LoopParts, StepLoop
@@ -192,9 +191,9 @@ class Engine:
         else:
             load_safetensors_weights(model, self.source.checkpoint_dir)
         model.eval()
-        set_small_batch_gemv(model, cfg.small_batch_gemv)
-        set_fp8_decode_cuda(model, cfg.cuda_fp8_decode)
-        set_decode_cuda(model, cfg.cuda_decode)
+        set_small_batch_gemv(model, cfg.debug.small_batch_gemv)
+        set_fp8_decode_cuda(model, cfg.debug.cuda_fp8_decode)
+        set_decode_cuda(model, cfg.debug.cuda_decode)
         log.info("model %s loaded (%s, %s, attention=%s, tp=%d) in %.1f s", cfg.model.name,
                  self.source.checkpoint_dir or "dummy weights", str(self.dtype).replace("torch.", ""),
                  backend, replica.tp_size, time.perf_counter() - started)
@@ -205,13 +204,12 @@ class Engine:
         cfg = self.cfg
         settings = RunnerSettings(cfg.block_size, self.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                   cfg.enforce_eager, cfg.gpu_memory_utilization, cfg.cpu_kv_cache_gib,
-                                  cfg.num_kv_blocks, cfg.kv_cache_dtype, cfg.cuda_pdl, cfg.sampler_graphs)
+                                  cfg.num_kv_blocks, cfg.kv_cache_dtype, cfg.debug.cuda_pdl,
+                                  cfg.debug.sampler_graphs)
         runner = ModelRunner(self.model, self.shape, settings, self.device, self.dtype, self.replica.tp_size,
                              self.replica)
         self.kv_capacity = KVCapacity(runner.num_blocks, cfg.block_size, runner.spec.bytes_per_block)
         agreed(lambda: self._check_kv_capacity(self.kv_capacity.num_blocks, runner.memory_budget))
-        self.faults = FaultInjector.from_config(cfg.fault, self.ranks.rank)
-        self.faults.install(runner)  # test-only: a configured step fault wraps the runner's launch
         log.info("engine: block_size=%d max_model_len=%d max_num_seqs=%d max_num_batched_tokens=%d "
                  "prefix_caching=%s cuda_graphs=%s cuda_pdl=%s sampler_graphs=%s cuda_fp8_decode=%s cuda_decode=%s "
                  "device=%s",
@@ -227,7 +225,7 @@ class Engine:
         """Whether `cuda_fp8_decode` (fp8: an fp8 cache) or `cuda_decode` (a bf16/fp16 cache) can act here, for
         the start-up log; each layer still checks its shapes."""
         fp8_cache = runner.spec.dtype == torch.float8_e4m3fn
-        enabled = self.cfg.cuda_fp8_decode if fp8 else self.cfg.cuda_decode
+        enabled = self.cfg.debug.cuda_fp8_decode if fp8 else self.cfg.debug.cuda_decode
         if not (enabled and self.device.type == "cuda" and fp8_cache == fp8):
             return False
         if fp8:

@@ -19,8 +19,8 @@ from spmd_engine.executor.forward_batch import ForwardBatch, HostBatch
 from spmd_engine.executor.input_buffers import InputBuffers
 
 # decode graphs of at most this many rows launch their Triton kernels with Programmatic Dependent Launch
-# (engine key cuda_pdl). Measured on an H200 (kernels/bench_pdl.py, docs/BENCHMARKS.md session 6): a
-# Qwen3-0.6B decode step is 9.7 % faster at 1 row, 2.7 % at 16, 0.6 % at 128, and 0.6 % slower at 256
+# (off with debug.cuda_pdl=false). H200, `python launch/bench/bench_pdl.py`: a Qwen3-0.6B decode step is
+# 9.7 % faster at 1 row, 2.7 % at 16, 0.6 % at 128, and 0.6 % slower at 256
 PDL_MAX_ROWS = 128
 
 

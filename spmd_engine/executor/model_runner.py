@@ -40,8 +40,8 @@ class RunnerSettings:
     cpu_kv_cache_gib: float
     num_kv_blocks: int | None
     kv_cache_dtype: str = "auto"  # auto (the model dtype) | fp8 (float8_e4m3fn, calibrated per-head scales)
-    cuda_pdl: bool = True  # small decode graphs launch their Triton kernels with PDL where it runs (kernels/pdl.py)
-    sampler_graphs: bool = True  # rank 0 samples all-greedy / all-plain decode steps from CUDA graphs (sampler_graphs.py)
+    cuda_pdl: bool = True  # debug.cuda_pdl: small decode graphs launch Triton kernels with PDL where it runs
+    sampler_graphs: bool = True  # debug.sampler_graphs: rank 0 samples all-greedy / all-plain decode steps by graphs
 
 
 @dataclass

@@ -6,6 +6,9 @@ every rank gets the same config and only rank R acts (R=-1: every rank), just be
 which must not be taken for a hang. `+fault.kind=slow_start +fault.seconds=N` instead makes rank R
 sleep N seconds before its requests are read (rank 0: as if tokenizing a huge prompts file), which
 must not time the others out.
+
+Not an engine key: the Hydra job reads `fault` from the composed config, builds each rank's injector
+and installs it on the engine's runner (spmd_engine/job/hydra_job.py).
 """
 from __future__ import annotations
 

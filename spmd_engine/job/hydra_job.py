@@ -24,6 +24,8 @@ from spmd_engine.config import ConfigError, EngineConfig, engine_config_from_dic
 from spmd_engine.distributed import RankInfo, all_reduce_min, init_process_group
 from spmd_engine.engine import agreed
 from spmd_engine.faults.error_line import error_line, report_error, write_error_file
+from spmd_engine.faults.injection import FaultInjector
+from spmd_engine.job.cpu_threads import apply_cpu_threads
 from spmd_engine.job.dispatch import DISPATCH_POLL_S, ChunkBoard, ClaimedRequests, Dispatcher, RowPoster
 from spmd_engine.job.feed import RequestFeed, chunk_size, source_requests
 from spmd_engine.job.generation_defaults import job_sampling
@@ -62,11 +64,12 @@ def run_job(raw_cfg: dict[str, Any], overrides: list[str], ranks: RankInfo, outp
     llm: LLM | None = None
     run_dir_lock: RunDirLock | None = None
     try:
-        cfg = _join(raw_cfg, ranks, supervisor)
+        cfg, faults = _join(raw_cfg, ranks, supervisor)
         run_dir_lock = agreed(lambda: _start_checks(cfg, output_dir, record.refused) if ranks.is_first else None)
         cfg.sampling = agreed(lambda: job_sampling(cfg, overrides))  # every rank alike, before the engine
         llm = LLM.from_config(cfg, ranks, step_progress=supervisor.progress)
-        record.metrics.update(_generate(llm, cfg, ranks, output_dir, supervisor))
+        faults.install(llm.engine.runner)  # test-only: a configured step fault wraps the runner's launch
+        record.metrics.update(_generate(llm, cfg, ranks, output_dir, supervisor, faults))
         record.metrics["status"] = "ok"
     except ConfigError as exc:  # every rank raises it (engine.agreed) or none does
         supervisor.detach()
@@ -92,13 +95,19 @@ def run_job(raw_cfg: dict[str, Any], overrides: list[str], ranks: RankInfo, outp
     return record.metrics if ranks.is_first else None
 
 
-def _join(raw_cfg: dict[str, Any], ranks: RankInfo, supervisor: Supervisor) -> EngineConfig:
-    """The ranks meet first, then agree on the config: a bad key ends them together (after rank 0's files)."""
+def _join(raw_cfg: dict[str, Any], ranks: RankInfo, supervisor: Supervisor) -> tuple[EngineConfig, FaultInjector]:
+    """The ranks meet first, then agree on the config: a bad key ends them together (after rank 0's files).
+
+    `+fault.*` (test-only fault injection) is the job's, not an engine key: it becomes this rank's injector."""
     startup = startup_settings(raw_cfg)
     init_process_group(ranks, startup.device != "cpu" and torch.cuda.is_available(), startup.timeout_s,
                        startup.rendezvous_timeout_s)
     supervisor.attach(startup.dist_timeout_s)
-    return agreed(lambda: engine_config_from_dict(raw_cfg))
+    engine_keys = {key: value for key, value in raw_cfg.items() if key != "fault"}
+    cfg = agreed(lambda: engine_config_from_dict(engine_keys))
+    faults = agreed(lambda: FaultInjector.from_config(raw_cfg.get("fault"), ranks.rank))
+    apply_cpu_threads(cfg, ranks)
+    return cfg, faults
 
 
 @dataclass
@@ -191,10 +200,10 @@ class _RowSink:
 
 
 def _generate(llm: LLM, cfg: EngineConfig, ranks: RankInfo, output_dir: Path | None,
-              supervisor: Supervisor) -> dict:
+              supervisor: Supervisor, faults: FaultInjector) -> dict:
     engine = llm.engine
     gate = supervisor.start_gate()
-    engine.faults.before_requests()
+    faults.before_requests()
     board = _board(supervisor) if engine.replica.count > 1 else None
     # every replica's leader decodes its outputs with llm.tokenizer, loaded with the LLM: before the gate,
     # so all start claiming together

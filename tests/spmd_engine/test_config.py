@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 from spmd_engine.config import ConfigError, engine_config_from_dict
@@ -167,23 +169,103 @@ def test_tp_allreduce_accepts_its_three_paths(value):
     engine_config_from_dict(base(tp_allreduce=value)).validate(2)
 
 
-def test_cuda_pdl_is_on_by_default_and_takes_only_a_boolean():
+SWITCHES = ("small_batch_gemv", "cuda_pdl", "cuda_fp8_decode", "cuda_decode", "sampler_graphs")
+
+
+def test_debug_switches_are_on_by_default_and_take_only_a_boolean():
+    """The five per-kernel paths are the engine's to pick (true: wherever hardware and shapes allow);
+    `debug.KEY=false` forces the fallback for an A/B bench."""
     from spmd_engine.llm import compose_config
 
-    assert engine_config_from_dict(base()).cuda_pdl is True and compose_config("smollm2", {})["cuda_pdl"] is True
-    assert engine_config_from_dict(base(cuda_pdl=False)).cuda_pdl is False
-    with pytest.raises(ConfigError, match="cuda_pdl"):
-        engine_config_from_dict(base(cuda_pdl="fast"))
+    cfg = engine_config_from_dict(base())
+    assert all(getattr(cfg.debug, key) is True for key in SWITCHES)
+    assert compose_config("smollm2", {})["debug"] == dict.fromkeys(SWITCHES, True)
+    assert engine_config_from_dict(base(debug={"cuda_pdl": False})).debug.cuda_pdl is False
+    assert engine_config_from_dict(base(debug={"sampler_graphs": False})).debug.sampler_graphs is False
+    with pytest.raises(ConfigError, match=r"^debug.cuda_pdl must be true or false, got 'fast'$"):
+        engine_config_from_dict(base(debug={"cuda_pdl": "fast"}))
+    with pytest.raises(ConfigError, match=r"^debug must be a group of keys"):
+        engine_config_from_dict(base(debug=5))
 
 
-def test_sampler_graphs_is_on_by_default_and_takes_only_a_boolean():
+def test_an_unknown_debug_key_is_named_with_its_near_miss():
+    with pytest.raises(ConfigError) as err:
+        engine_config_from_dict(base(debug={"cuda_pld": False}))
+    assert str(err.value) == "unknown config key debug.cuda_pld; did you mean debug.cuda_pdl?"
+    with pytest.raises(ConfigError, match=r"^unknown config key debug.zzz \(known: debug.small_batch_gemv, "):
+        engine_config_from_dict(base(debug={"zzz": 1}))
+
+
+@pytest.mark.parametrize("key", SWITCHES)
+def test_an_old_switch_spelling_sets_debug_with_one_warning(key, caplog):
+    with caplog.at_level("WARNING"):
+        cfg = engine_config_from_dict(base(**{key: False}))
+    assert getattr(cfg.debug, key) is False and not hasattr(cfg, key)
+    lines = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
+    assert lines == [f"{key} is deprecated; use debug.{key} (the engine picks the path itself)"]
+
+
+def test_old_switch_spellings_compose_as_unset_and_a_bad_value_names_the_key(caplog):
+    """conf keeps the old keys as null (Hydra refuses `cuda_pdl=false` for a key it lacks); null warns nothing."""
     from spmd_engine.llm import compose_config
 
-    assert engine_config_from_dict(base()).sampler_graphs is True
-    assert compose_config("smollm2", {})["sampler_graphs"] is True
-    assert engine_config_from_dict(base(sampler_graphs=False)).sampler_graphs is False
-    with pytest.raises(ConfigError, match="sampler_graphs"):
+    composed = compose_config("smollm2", {})
+    assert all(composed[key] is None for key in SWITCHES)
+    with caplog.at_level("WARNING"):
+        assert engine_config_from_dict(composed).debug.cuda_pdl is True
+    assert not [r for r in caplog.records if "deprecated" in r.getMessage()]
+    with pytest.raises(ConfigError, match=r"^sampler_graphs must be true or false, got 'yes'$"):
         engine_config_from_dict(base(sampler_graphs="yes"))
+    # the Python API's keywords take the old spelling too (LLM(..., cuda_pdl=False) composes it like this)
+    assert engine_config_from_dict(compose_config("smollm2", {"cuda_pdl": False})).debug.cuda_pdl is False
+    assert engine_config_from_dict(compose_config("smollm2", {"debug": {"cuda_decode": False}})).debug.cuda_decode \
+        is False
+
+
+def test_fault_is_not_an_engine_key():
+    """Test-only fault injection belongs to the Hydra job (spmd_engine/job/hydra_job.py), not EngineConfig."""
+    from spmd_engine.config import EngineConfig
+    from spmd_engine.llm import compose_config
+
+    assert "fault" not in {f.name for f in dataclasses.fields(EngineConfig)}
+    assert "fault" not in compose_config("smollm2", {})
+
+
+@pytest.mark.parametrize("value,line", [
+    (0, "cpu_threads must be >= 1 or null (null: cores available / ranks on the node), got 0"),
+    (-2, "cpu_threads must be >= 1 or null (null: cores available / ranks on the node), got -2"),
+])
+def test_cpu_threads_below_one_is_named(value, line):
+    with pytest.raises(ConfigError) as err:
+        engine_config_from_dict(base(cpu_threads=value)).validate(1)
+    assert str(err.value) == line
+
+
+def test_cpu_threads_takes_an_integer_or_null():
+    assert engine_config_from_dict(base()).cpu_threads is None
+    engine_config_from_dict(base(cpu_threads=3)).validate(1)
+    with pytest.raises(ConfigError, match=r"^cpu_threads must be an integer or null, got 'many'$"):
+        engine_config_from_dict(base(cpu_threads="many"))
+
+
+@pytest.mark.parametrize("cores,ranks,threads", [(2, 1, 2), (2, 2, 1), (2, 4, 1), (16, 4, 4), (16, 3, 5), (1, 1, 1)])
+def test_auto_cpu_threads_shares_the_cores_among_the_ranks_on_the_node(cores, ranks, threads):
+    from spmd_engine.job.cpu_threads import auto_cpu_threads
+
+    assert auto_cpu_threads(cores, ranks) == threads
+
+
+def test_cpu_threads_choice_key_then_omp_then_auto():
+    from spmd_engine.job.cpu_threads import choose_cpu_threads, ranks_on_node
+
+    assert choose_cpu_threads(3, 16, 2, {"OMP_NUM_THREADS": "1"}).threads == 3
+    omp = choose_cpu_threads(None, 16, 2, {"OMP_NUM_THREADS": "1"})
+    assert omp.threads is None and omp.reason == "OMP_NUM_THREADS=1"  # torch already follows it
+    auto = choose_cpu_threads(None, 16, 2, {})
+    assert (auto.threads, auto.reason) == (8, "auto: 16 cores available / 2 ranks on this node")
+    assert ranks_on_node({"LOCAL_WORLD_SIZE": "2"}, world_size=8) == 2
+    assert ranks_on_node({"SLURM_NTASKS_PER_NODE": "4(x2)"}, world_size=8) == 4
+    assert ranks_on_node({}, world_size=3) == 3
 
 
 def test_tp_allreduce_defaults_to_nccl_in_code_and_the_composed_config():
@@ -221,7 +303,7 @@ def test_the_composed_config_takes_every_default_from_the_dataclasses():
     import yaml
 
     from spmd_engine import SamplingParams
-    from spmd_engine.config import EngineConfig
+    from spmd_engine.config import DebugConfig, EngineConfig
     from spmd_engine.llm import compose_config
 
     conf = yaml.safe_load((Path(__file__).resolve().parents[2] / "conf" / "config.yaml").read_text())
@@ -229,8 +311,9 @@ def test_the_composed_config_takes_every_default_from_the_dataclasses():
     composed = compose_config("qwen3", {})
     assert composed["sampling"] == dataclasses.asdict(SamplingParams())
     engine_keys = {f.name: f.default for f in dataclasses.fields(EngineConfig)
-                   if f.name not in ("model", "workload", "sampling", "fault")}
+                   if f.name not in ("model", "workload", "sampling", "debug")}
     assert {key: composed[key] for key in engine_keys} == engine_keys
+    assert composed["debug"] == dataclasses.asdict(DebugConfig())
     cfg = engine_config_from_dict(composed)
     assert cfg.sampling == SamplingParams() and cfg.block_size == EngineConfig.block_size
     # a key Hydra does not know (given with +) still fails with our one line, not at composition
