@@ -48,10 +48,9 @@ _LOG2_E = 1.4426950408889634
 # where 128 (32 splits) gave 8.0 / 12.8 / 18.0.
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
-# Splits merged by the last-arriving split program (True) or by a second launch (False); same bits.
-# The arrival counters are one int32 per (sequence, KV head) per device, shared by every call: decode
-# attention must not run concurrently on two streams of one device (the engine runs its forward on one).
-DECODE_FUSED_MERGE = True
+# The splits are merged by the last-arriving split program. The arrival counters are one int32 per
+# (sequence, KV head) per device, shared by every call: decode attention must not run concurrently on two
+# streams of one device (the engine runs its forward on one).
 MIN_COUNTERS = 4096  # the first allocation: above any automatic split case (B * Hkv < programs wanted)
 
 
@@ -396,7 +395,7 @@ def paged_decode_attention(
     config: DecodeConfig | None = None,
     k_scale: torch.Tensor | None = None,  # [Hkv] float32, only with a float8_e4m3fn cache
     v_scale: torch.Tensor | None = None,
-    fused_merge: bool | None = None,  # None: DECODE_FUSED_MERGE; the same bits either way
+    fused_merge: bool = True,  # False: a second merge launch, the same bits (the tests' oracle)
 ) -> torch.Tensor:
     """Attention of each sequence's single new token over its seq_len cached keys; returns [B, Hq, D].
 
@@ -419,7 +418,7 @@ def paged_decode_attention(
     num_splits = split_count("paged_decode_attention", num_splits, num_seqs, k_cache, block_tables, cfg)
     group = num_q_heads // num_kv_heads
     partial_out, partial_lse = _split_partials(query, out, num_splits)
-    fused = (DECODE_FUSED_MERGE if fused_merge is None else fused_merge) and num_splits > 1
+    fused = fused_merge and num_splits > 1
     counters = merge_counters(query.device, num_seqs * num_kv_heads) if fused else seq_lens  # unread unfused
     _decode_split_kernel[(num_splits, num_kv_heads, num_seqs)](
         query, k_cache, v_cache, out, partial_out, partial_lse, counters, seq_lens, block_tables,

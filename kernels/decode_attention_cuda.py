@@ -14,11 +14,13 @@ also holds what both CUDA decode kernels share (device code, `builds_on`, `shape
 `run_split_kernel`). Shapes it takes (`supports`): head_dim 128, at most 8 query heads per KV head,
 block_size a power of two >= 2, the cache in the model's dtype (bf16 or fp16).
 
-On a decode step it also prepares its own inputs (`DecodePrologue`, `PREPARE_QK_IN_KERNEL`): each warp
-norms and rotates its GROUP query heads from the qkv projection's raw q while its first K/V tile lands,
-and the split holding the new token norms, rotates and stores that token's K/V row, handing it to its
-tile in shared memory rather than waiting for the store: qk_norm_rope_store's launch before attention
-goes (28 launches a Qwen3-0.6B step), for the same cache and, within the norm's last bit, the same q.
+On a decode step it also prepares its own inputs (`DecodePrologue`): each warp norms and rotates its GROUP
+query heads from the qkv projection's raw q while its first K/V tile lands, and the split holding the new
+token norms, rotates and stores that token's K/V row, handing it to its tile in shared memory rather than
+waiting for the store: qk_norm_rope_store's launch before attention goes (28 launches a Qwen3-0.6B step), for
+the same cache and, within the norm's last bit, the same q. H200, `python run.py workload=bench` and
+`workload.num_seqs=1`: batch 1 +3.7 % tok/s (ITL p50 1.02 -> 0.98 ms), 32 requests +2.2 %, 256 requests
++0.2-0.4 % (the prologue a warp runs while its first tile lands about pays there).
 """
 from __future__ import annotations
 
@@ -42,11 +44,6 @@ PROGRAMS_PER_SM = 3  # resident warps per SM when choosing the split count
 # (9.5 -> 9.3); 12 rows and up, where the overshoot is larger, keep the count that fills the GPU.
 SMALL_SECOND_WAVE = 0.15
 HEAD_DIM = 128
-# Decode steps hand the kernel the qkv projection's raw rows (`DecodePrologue`) instead of running
-# qk_norm_rope_store before it: one launch a layer fewer (models/layers/attention.py). Measured on an H200
-# (docs/BENCHMARKS.md, session 19): batch 1 +3.7 % tok/s (ITL p50 1.02 -> 0.98 ms), 32 requests +2.2 %,
-# the 256-request bench +0.2-0.4 % (the prologue a warp runs while its first tile lands about pays there).
-PREPARE_QK_IN_KERNEL = True
 log = logging.getLogger(__name__)
 
 # Device code both CUDA decode kernels share (this one and kernels/decode_attention_fp8_cuda.py): PTX wrappers,
@@ -765,8 +762,8 @@ def run_split_kernel(name: str, kernel: cuda_rtc.CudaKernel, query: torch.Tensor
                      out: torch.Tensor | None, num_splits: int | None, cfg: da.DecodeConfig,
                      cache_args: tuple = (), tail_args: tuple = ()) -> torch.Tensor:
     """Both CUDA decode kernels' launch: the split count (`decode_attention.split_count`), the partials,
-    grid (splits x KV heads x sequences), PDL where the engine asks for it (kernels/pdl.py), and the merge:
-    by the last split to finish (`decode_attention.DECODE_FUSED_MERGE`) or a second launch. `cache_args`
+    grid (splits x KV heads x sequences), PDL where the engine asks for it (kernels/pdl.py), and the merge
+    by the last split to finish (its arrival counters, `decode_attention.merge_counters`). `cache_args`
     follow the block tables in the kernel's parameters (the fp8 scales), `tail_args` end them."""
     da.check_attention_inputs(name, query, k_cache, v_cache)
     if out is None:
@@ -777,15 +774,12 @@ def run_split_kernel(name: str, kernel: cuda_rtc.CudaKernel, query: torch.Tensor
     num_kv_heads = k_cache.shape[2]
     num_splits = da.split_count(name, num_splits, num_seqs, k_cache, block_tables, cfg)
     partial_out, partial_lse = da._split_partials(query, out, num_splits)
-    fused = da.DECODE_FUSED_MERGE and num_splits > 1
-    counters = da.merge_counters(query.device, num_seqs * num_kv_heads) if fused else 0
+    counters = da.merge_counters(query.device, num_seqs * num_kv_heads) if num_splits > 1 else 0
     kernel.launch((num_splits, num_kv_heads, num_seqs), [
         query, k_cache, v_cache, out, partial_out, partial_lse, counters, seq_lens, block_tables, *cache_args,
         scale * da._LOG2_E, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0) * k_cache.element_size(), block_tables.stride(0), num_q_heads, num_splits, *tail_args,
     ], pdl=pdl_enabled(query.device))
-    if num_splits > 1 and not fused:
-        da._merge_splits(partial_out, partial_lse, out)
     return out
 
 

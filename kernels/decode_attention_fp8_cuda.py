@@ -376,8 +376,6 @@ _ARG_TYPES = (
     ctypes.c_longlong, ctypes.c_int, ctypes.c_int, ctypes.c_int,
     *cuda16.PROLOGUE_ARG_TYPES,
 )
-# Decode steps hand this kernel the qkv projection's raw rows too (`DecodePrologue`; not yet measured on a GPU)
-PREPARE_QK_IN_KERNEL = True
 DecodePrologue = cuda16.DecodePrologue
 
 

@@ -10,7 +10,7 @@ Design:
 - Split-K without float atomics: with `split_k > 1` program (n, s) writes its float32 partial sum
   to a workspace [split_k, M, N]; the splits are then added in the fixed order 0, 1, ..., the bias
   added, and the sum rounded to the output dtype. Who adds them (the sum is the same bits either
-  way, `SPLIT_K_ONE_LAUNCH`): the last program of the N tile to finish (it counts arrivals on an
+  way, `one_launch`): the last program of the N tile to finish (it counts arrivals on an
   int32 counter per N tile, and resets it), saving the second launch that a decode step would pay
   ~110 times; or a second, tiny launch. With `split_k == 1` (N tiles alone fill the GPU, e.g. the
   LM head) one program loops over the whole K and writes the output directly.
@@ -46,10 +46,9 @@ GEMV_MAX_M = 16  # the kernel's BLOCK_M: the largest M it takes (tl.dot needs a 
 TARGET_PROGRAMS = 264  # programs wanted per launch (2 per SM of an H200's 132): more splits below it
 MIN_K_PER_SPLIT = 256  # elements of K per split at the least (fewer: the partials cost more than they save)
 REDUCE_BLOCK = 256  # output columns per program of the split-sum pass
-# Split-K sums by the last program of each N tile (True) or by a second launch (False); same bits.
-# The arrival counters are one int32 per N tile per device, shared by every call: GEMVs must not run
-# concurrently on two streams of one device (the engine runs its forward on one stream).
-SPLIT_K_ONE_LAUNCH = True
+# Split-K sums by the last program of each N tile. The arrival counters are one int32 per N tile per device,
+# shared by every call: GEMVs must not run concurrently on two streams of one device (the engine runs its
+# forward on one stream).
 
 
 @dataclass(frozen=True)
@@ -234,7 +233,7 @@ def gemv(
     bias: torch.Tensor | None = None,  # [N]
     out_dtype: torch.dtype | None = None,  # None: x.dtype; or torch.float32
     config: GemvConfig | None = None,  # None: gemv_config(N, K, element size); benchmarks pass others
-    one_launch: bool | None = None,  # None: SPLIT_K_ONE_LAUNCH
+    one_launch: bool = True,  # False: the split sum by a second launch, the same bits (the tests' oracle)
     gated: bool = False,  # x is [..., 2K] = gate | up and the input is silu(gate) * up (a SwiGLU down_proj)
 ) -> torch.Tensor:
     """x @ weight^T (+ bias) accumulated in float32, rounded once to `out_dtype`; shape [..., N].
@@ -249,7 +248,7 @@ def gemv(
     partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     bias_arg = bias if bias is not None else weight
     n_tiles = triton.cdiv(n, cfg.block_n)
-    one_launch = (SPLIT_K_ONE_LAUNCH if one_launch is None else one_launch) and split > 1
+    one_launch = one_launch and split > 1
     counters = _split_counters(x.device, n_tiles) if one_launch else partial
     _gemv_kernel[(n_tiles, split)](
         x2, weight, bias_arg, out, partial, counters,
