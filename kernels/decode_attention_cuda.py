@@ -2,8 +2,8 @@
 
 Why: decode attention is ~75 % of a large batch's decode step, and there the Triton kernel reads K/V at
 ~93 % of the copy rate. This kernel reads 1-2 % faster at large batch (H200, one layer: 256 rows x
-100..1500 keys 187.7 us against 191.8) and the engine's nano bench gains 3 %: 27,320-27,520 output
-tok/s against 26,600 (docs/BENCHMARKS.md, session 17). It is the fp8 one's design
+100..1500 keys 187.7 us against 191.8, `python launch/bench/bench_fp8_decode.py --bf16`) and the engine's nano
+bench gains 3 %: 27,320-27,520 output tok/s against 26,600 (`python run.py workload=bench`). It is the fp8 one's design
 (kernels/decode_attention_fp8_cuda.py) without the byte converts: one warp per (sequence, KV head,
 split), K/V tiles by `cp.async` into swizzled shared memory, `ldmatrix` straight into the MMA fragments
 (V transposed), transposed MMAs (S^T = K q^T, O^T = V^T P^T) so the GROUP query heads fill the MMA's
@@ -42,9 +42,9 @@ BLOCK_N = 64  # keys per tile
 STAGES = 2  # tiles in flight per warp (shared memory: STAGES x 32 KB)
 PROGRAMS_PER_SM = 3  # resident warps per SM when choosing the split count
 # A split fewer where the count that fills the SMs' resident warps would overshoot them by at most 15 %: the
-# few warps past them would run alone after the rest. H200, CUDA graphs (docs/BENCHMARKS.md, session 21): 8 rows
-# x 1,024 keys 7 splits 12.4 us -> 6 splits 10.5 (600..2,048 keys 14.7 -> 13.2), 4 rows 13 -> 12 splits 8.8 -> 7.8
-# (9.5 -> 9.3); 12 rows and up, where the overshoot is larger, keep the count that fills the GPU.
+# few warps past them would run alone after the rest. H200, CUDA graphs
+# (`python launch/bench/bench_decode_splits.py --small`): 8 rows x 1,024 keys 7 splits 12.4 us -> 6 splits 10.5
+# (600..2,048 keys 14.7 -> 13.2), 4 rows 13 -> 12 splits 8.8 -> 7.8 (9.5 -> 9.3); 12 rows and up, where the overshoot is larger, keep the count that fills the GPU.
 SMALL_SECOND_WAVE = 0.15
 HEAD_DIM = 128
 log = logging.getLogger(__name__)

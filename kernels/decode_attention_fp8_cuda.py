@@ -3,9 +3,10 @@
 Why not Triton: Triton gives both operands of a dot fed from 8-bit data its own register layout, so the
 fp8 tiles reach the MMA through byte loads from shared memory and register shuffles; that kernel is
 bound by instruction issue at 71 % of the copy rate where the bf16 kernel reaches ~96 %
-(docs/BENCHMARKS.md, sessions 8-15). This one, H200, Qwen3-0.6B heads, one layer: 129 rows x 200..2000
+(`python launch/bench/bench_attention.py`). This one, H200, Qwen3-0.6B heads, one layer: 129 rows x 200..2000
 keys 83.6 us against Triton's 118.5, 256 x 2048 260 us (4.13 TB/s of K/V) against 300; the engine's fp8
-bench 37,160-38,060 output tok/s against 32,600-32,780 (docs/BENCHMARKS.md, session 16).
+bench 37,160-38,060 output tok/s against 32,600-32,780 (`python launch/bench/bench_fp8_decode.py`,
+`python run.py workload=bench kv_cache_dtype=fp8`).
 
 Here each warp converts the bytes once into the MMA's own fragments: K and V tiles arrive by `cp.async`
 into swizzled shared memory, `ldmatrix` (V transposed) hands every lane exactly the four e4m3 bytes it needs, and one `cvt.rn.f16x2.e4m3x2` per pair gives

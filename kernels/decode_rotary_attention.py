@@ -36,7 +36,7 @@ from spmd_engine.kernels.pdl import pdl_launch, pdl_prologue
 from spmd_engine.kernels.qk_norm_rope_store import _cos_sin, can_fuse, check_qk_inputs, rotate_q_rows, store_kv_rows
 
 # The caches whose decode steps prepare q/k inside the attention launch; others run qk_norm_rope_store first (same
-# bits). Measured on an H200, Qwen3-0.6B bench, one call (docs/BENCHMARKS.md, session 15): an fp8 cache's decode
+# bits). H200, Qwen3-0.6B, `python run.py workload=bench` (GPU time per decode step): an fp8 cache's decode
 # step 3.768 -> 3.610 ms of GPU time, a bf16 cache's 4.546 -> 4.574 ms (the longer prologue outweighs the launch).
 ROTARY_IN_DECODE_CACHES: tuple[torch.dtype, ...] = (FP8_DTYPE,)
 

@@ -27,7 +27,7 @@ same batch padded to M=4 bitwise (a decode batch eager vs its padded CUDA graph)
 runs are bitwise identical. It is not bitwise cuBLAS: the K summation order differs.
 
 Tuning lives in one place: `GEMV_TABLE` (explicit per-shape choices, e.g. from
-`kernels/bench_gemv.py --sweep`) over the `_heuristic_config` fallback. Both are plain functions of
+`launch/bench/bench_gemv.py --sweep`) over the `_heuristic_config` fallback. Both are plain functions of
 the shape, so the choice never happens inside CUDA-graph capture (the graphs' warm-up runs compile).
 """
 from __future__ import annotations
@@ -63,8 +63,8 @@ class GemvConfig:
 
 
 # Explicit choices by (N, K, element size in bytes); shapes not listed use `_heuristic_config`.
-# Chosen in situ (`python kernels/bench_gemv.py --in-situ`, H200, session 8, docs/BENCHMARKS.md): the whole
-# batch-1 Qwen3-0.6B decode step of kernels/bench_pdl.py (PDL on, one CUDA graph, context 1024) timed while
+# Chosen in situ (`python launch/bench/bench_gemv.py --in-situ`, H200): the whole
+# batch-1 Qwen3-0.6B decode step of launch/bench/bench_pdl.py (PDL on, one CUDA graph, context 1024) timed while
 # one shape's choice varies, over the shapes in turn: 1074 -> 980 us per step, and in the engine the
 # batch-1 ITL p50 went 1.15 -> 1.05 ms (GPU busy 1.13 -> 1.04 ms). The isolated sweep (`--sweep`, no PDL,
 # no neighbours) had picked differently: with PDL what counts is how a kernel overlaps its neighbours.
@@ -232,7 +232,7 @@ def gemv(
     weight: torch.Tensor,  # [N, K], rows contiguous, same dtype as x
     bias: torch.Tensor | None = None,  # [N]
     out_dtype: torch.dtype | None = None,  # None: x.dtype; or torch.float32
-    config: GemvConfig | None = None,  # None: gemv_config(N, K, element size); benchmarks pass others
+    config: GemvConfig | None = None,  # None: gemv_config(N, K, element size); a bench passes others
     one_launch: bool = True,  # False: the split sum by a second launch, the same bits (the tests' oracle)
     gated: bool = False,  # x is [..., 2K] = gate | up and the input is silu(gate) * up (a SwiGLU down_proj)
 ) -> torch.Tensor:
