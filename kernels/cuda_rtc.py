@@ -4,19 +4,24 @@ Why: a kernel that must choose its own register layouts (the fp8 decode attentio
 converted straight into the MMA fragments) cannot be written in Triton, and a torch C++ extension
 needs nvcc, a host compiler and a minute of build per machine. NVRTC ships with every CUDA build of
 torch (`libnvrtc`), compiles one kernel in about a second, and the driver launch goes on torch's
-current stream, so CUDA graphs capture it like any other kernel. The sources include no headers
-(inline PTX and builtins only): nothing but the two libraries is needed.
+current stream, so CUDA graphs capture it like any other kernel. The sources are `.cu` files next to this
+module; their `#include "x.cuh"` lines name headers beside them, which `read_source` pastes in before NVRTC sees
+the text (no include paths, no system headers: inline PTX and builtins only), so nothing but the two libraries
+is needed.
 """
 from __future__ import annotations
 
 import ctypes
 import glob
 import os
+import re
 import sys
 from functools import lru_cache
 
 import torch
 
+SOURCE_DIR = os.path.dirname(os.path.abspath(__file__))
+_LOCAL_INCLUDE = re.compile(r'^#include "([A-Za-z0-9_.]+)"\n', re.M)
 _NVRTC_SUCCESS = 0
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 _CU_FUNC_ATTRIBUTE_NUM_REGS = 4
@@ -87,6 +92,15 @@ def _check_driver(result: int, what: str) -> None:
         name = ctypes.c_char_p()
         _driver().cuGetErrorString(result, ctypes.byref(name))
         raise RuntimeError(f"{what}: CUDA driver error {result} ({(name.value or b'?').decode()})")
+
+
+@lru_cache(maxsize=None)
+def read_source(name: str) -> str:
+    """The text of kernels/`name` with each `#include "x.cuh"` line (a header beside it, itself read the same
+    way) replaced by that header's text: the one self-contained source NVRTC compiles."""
+    with open(os.path.join(SOURCE_DIR, name), encoding="utf-8") as handle:
+        text = handle.read()
+    return _LOCAL_INCLUDE.sub(lambda match: read_source(match.group(1)), text)
 
 
 def nvrtc_compile(source: str, name: str, arch: str, defines: dict[str, int | str]) -> bytes:

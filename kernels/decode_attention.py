@@ -12,9 +12,9 @@ The grid is (split, KV head, sequence), the sequence slowest: the GPU starts pro
 a batch ordered longest context first (the engine's, `executor/forward_batch.batch_order`) starts every
 program of its longest rows first and the short ones fill the tail. Sequence fastest, a KV head's programs
 all started before the next head's, and the last head's long rows ran on alone (H200, 129 rows of 200..2000
-keys, one split: 162.8 -> 152.7 us in bf16, 155.8 -> 127.1 us with an fp8 cache; docs/BENCHMARKS.md,
-session 13). The grid and NUM_SPLITS come only from tensor shapes and each split's range is computed on the
-device from seq_lens, so the launch is CUDA-graph safe; a split past a sequence's end writes a
+keys, one split: 162.8 -> 152.7 us in bf16, 155.8 -> 127.1 us with an fp8 cache;
+`python launch/bench/bench_attention.py`). The grid and NUM_SPLITS come only from tensor shapes and each
+split's range is computed on the device from seq_lens, so the launch is CUDA-graph safe; a split past a sequence's end writes a
 neutral partial (lse = -inf, output 0). A float8_e4m3fn cache is upcast on load (exact into
 fp16/bf16/fp32); its per-KV-head scales are folded into the score scale (K) and the split's output
 (V), so the inner loop does no extra multiplies.
@@ -44,14 +44,13 @@ from spmd_engine.kernels.pdl import pdl_launch, pdl_prologue
 
 _LOG2_E = 1.4426950408889634
 # Below this a split's merge costs more than its extra parallelism. H200, batch 1, a 4k-wide table in a graph of
-# 28 layers (session 7): 256 gives 16 splits, 7.1 / 11.2 / 14.6 us per layer at context 650 / 2000 / 4000,
-# where 128 (32 splits) gave 8.0 / 12.8 / 18.0.
+# 28 layers (`python launch/bench/bench_attention.py --splits`): 256 gives 16 splits, 7.1 / 11.2 / 14.6 us per
+# layer at context 650 / 2000 / 4000, where 128 (32 splits) gave 8.0 / 12.8 / 18.0.
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
-# Splits merged by the last-arriving split program (True) or by a second launch (False); same bits.
-# The arrival counters are one int32 per (sequence, KV head) per device, shared by every call: decode
-# attention must not run concurrently on two streams of one device (the engine runs its forward on one).
-DECODE_FUSED_MERGE = True
+# The splits are merged by the last-arriving split program. The arrival counters are one int32 per
+# (sequence, KV head) per device, shared by every call: decode attention must not run concurrently on two
+# streams of one device (the engine runs its forward on one).
 MIN_COUNTERS = 4096  # the first allocation: above any automatic split case (B * Hkv < programs wanted)
 
 
@@ -73,12 +72,12 @@ def default_decode_config(head_dim: int, device: torch.device, kv_fp8: bool = Fa
     if kv_fp8 and head_dim == 128:
         # one warp keeps P in registers (four pass it through shared memory every tile: the fp8 loop is bound by
         # instruction issue). H200, alone, sequence-slowest grid: 129 rows x 200..2000 keys 122.9 us against
-        # 127.2 for 128 / 4 / 3, 256 x 100..1500 139.9 against 162.0 (docs/BENCHMARKS.md, session 13)
+        # 127.2 for 128 / 4 / 3, 256 x 100..1500 139.9 against 162.0 (`python launch/bench/bench_attention.py --sweep`)
         return DecodeConfig(block_n=64, num_warps=1, num_stages=3, programs_per_sm=4)
     if head_dim <= 128:
         # H200, sequence-slowest grid: alone 151.8 us against 152.2 for 128 keys / 3 stages (129 rows x 200..2000),
-        # 206.5 against 211.3 (256 rows); engine bench 26,537 / 26,613 tok/s against 26,334 / 26,332
-        # (docs/BENCHMARKS.md, sessions 13-14)
+        # 206.5 against 211.3 (256 rows; `python launch/bench/bench_attention.py --sweep`); engine bench
+        # (`python run.py workload=bench`) 26,537 / 26,613 tok/s against 26,334 / 26,332
         return DecodeConfig(block_n=64, num_warps=4, num_stages=2, programs_per_sm=4)
     return DecodeConfig(block_n=32, num_warps=4, num_stages=2, programs_per_sm=4)
 
@@ -139,7 +138,7 @@ def _attend_fp8_in_chunks(
     """The fp8 cache's tiles (float16 dots) over a 128-wide head as four 32-wide column chunks: q . k
     accumulates the chunks' dots in order (the whole-tile dot's k order), P V gives each output chunk
     alone. Why: the whole tile's upcast K and V live in registers at once (248 registers per thread,
-    two programs per SM, the kernel bound by issue: docs/BENCHMARKS.md, session 8); a chunk's do not
+    two programs per SM, the kernel bound by issue: `python launch/bench/bench_attention.py`); a chunk's do not
     (96 registers). Returns (acc [BLOCK_H, HEAD_DIM], l_i, m_i)."""
     dc = tl.arange(0, FP8_CHUNK)
     mask = row_valid[:, None]
@@ -396,7 +395,7 @@ def paged_decode_attention(
     config: DecodeConfig | None = None,
     k_scale: torch.Tensor | None = None,  # [Hkv] float32, only with a float8_e4m3fn cache
     v_scale: torch.Tensor | None = None,
-    fused_merge: bool | None = None,  # None: DECODE_FUSED_MERGE; the same bits either way
+    fused_merge: bool = True,  # False: a second merge launch, the same bits (the tests' oracle)
 ) -> torch.Tensor:
     """Attention of each sequence's single new token over its seq_len cached keys; returns [B, Hq, D].
 
@@ -419,7 +418,7 @@ def paged_decode_attention(
     num_splits = split_count("paged_decode_attention", num_splits, num_seqs, k_cache, block_tables, cfg)
     group = num_q_heads // num_kv_heads
     partial_out, partial_lse = _split_partials(query, out, num_splits)
-    fused = (DECODE_FUSED_MERGE if fused_merge is None else fused_merge) and num_splits > 1
+    fused = fused_merge and num_splits > 1
     counters = merge_counters(query.device, num_seqs * num_kv_heads) if fused else seq_lens  # unread unfused
     _decode_split_kernel[(num_splits, num_kv_heads, num_seqs)](
         query, k_cache, v_cache, out, partial_out, partial_lse, counters, seq_lens, block_tables,

@@ -23,7 +23,6 @@ from spmd_engine.kernels.attention_support import check_attention_inputs, dot_pr
 from spmd_engine.kernels.decode_attention import (
     _LOG2_E,
     DecodeConfig,
-    _merge_splits,
     _split_partials,
     decode_block_h,
     decode_split_program,
@@ -31,14 +30,13 @@ from spmd_engine.kernels.decode_attention import (
     merge_counters,
     split_count,
 )
-import spmd_engine.kernels.decode_attention as decode_attention
 from spmd_engine.kernels.kv_quant import FP8_DTYPE, check_kv_scales
 from spmd_engine.kernels.paged_kv_tile import fp8_dot_in_f16
 from spmd_engine.kernels.pdl import pdl_launch, pdl_prologue
 from spmd_engine.kernels.qk_norm_rope_store import _cos_sin, can_fuse, check_qk_inputs, rotate_q_rows, store_kv_rows
 
 # The caches whose decode steps prepare q/k inside the attention launch; others run qk_norm_rope_store first (same
-# bits). Measured on an H200, Qwen3-0.6B bench, one call (docs/BENCHMARKS.md, session 15): an fp8 cache's decode
+# bits). H200, Qwen3-0.6B, `python run.py workload=bench` (GPU time per decode step): an fp8 cache's decode
 # step 3.768 -> 3.610 ms of GPU time, a bf16 cache's 4.546 -> 4.574 ms (the longer prologue outweighs the launch).
 ROTARY_IN_DECODE_CACHES: tuple[torch.dtype, ...] = (FP8_DTYPE,)
 
@@ -158,8 +156,8 @@ def rotary_decode_attention(
     q_normed = torch.empty_like(q_rot) if has_norm else q_rot  # the normed rows between the phases
     k_normed = torch.empty(k.shape, dtype=k.dtype, device=k.device) if has_norm else q_rot
     partial_out, partial_lse = _split_partials(q_rot, out, num_splits)
-    fused = decode_attention.DECODE_FUSED_MERGE and num_splits > 1
-    counters = merge_counters(q.device, num_seqs * num_kv_heads) if fused else seq_lens  # unread unfused
+    fused = num_splits > 1
+    counters = merge_counters(q.device, num_seqs * num_kv_heads) if fused else seq_lens  # unread with one split
     unread = slot_mapping
     _rotary_decode_kernel[(num_splits, num_kv_heads, num_seqs)](
         q, k, v, cos, sin,
@@ -178,6 +176,4 @@ def rotary_decode_attention(
         DOT_F16=fp8_dot_in_f16(kv_fp8, q.dtype), FUSED_MERGE=fused, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl_launch(q.device),
     )
-    if num_splits > 1 and not fused:
-        _merge_splits(partial_out, partial_lse, out)
     return out

@@ -10,7 +10,7 @@ Design:
 - Split-K without float atomics: with `split_k > 1` program (n, s) writes its float32 partial sum
   to a workspace [split_k, M, N]; the splits are then added in the fixed order 0, 1, ..., the bias
   added, and the sum rounded to the output dtype. Who adds them (the sum is the same bits either
-  way, `SPLIT_K_ONE_LAUNCH`): the last program of the N tile to finish (it counts arrivals on an
+  way, `one_launch`): the last program of the N tile to finish (it counts arrivals on an
   int32 counter per N tile, and resets it), saving the second launch that a decode step would pay
   ~110 times; or a second, tiny launch. With `split_k == 1` (N tiles alone fill the GPU, e.g. the
   LM head) one program loops over the whole K and writes the output directly.
@@ -27,7 +27,7 @@ same batch padded to M=4 bitwise (a decode batch eager vs its padded CUDA graph)
 runs are bitwise identical. It is not bitwise cuBLAS: the K summation order differs.
 
 Tuning lives in one place: `GEMV_TABLE` (explicit per-shape choices, e.g. from
-`kernels/bench_gemv.py --sweep`) over the `_heuristic_config` fallback. Both are plain functions of
+`launch/bench/bench_gemv.py --sweep`) over the `_heuristic_config` fallback. Both are plain functions of
 the shape, so the choice never happens inside CUDA-graph capture (the graphs' warm-up runs compile).
 """
 from __future__ import annotations
@@ -46,10 +46,9 @@ GEMV_MAX_M = 16  # the kernel's BLOCK_M: the largest M it takes (tl.dot needs a 
 TARGET_PROGRAMS = 264  # programs wanted per launch (2 per SM of an H200's 132): more splits below it
 MIN_K_PER_SPLIT = 256  # elements of K per split at the least (fewer: the partials cost more than they save)
 REDUCE_BLOCK = 256  # output columns per program of the split-sum pass
-# Split-K sums by the last program of each N tile (True) or by a second launch (False); same bits.
-# The arrival counters are one int32 per N tile per device, shared by every call: GEMVs must not run
-# concurrently on two streams of one device (the engine runs its forward on one stream).
-SPLIT_K_ONE_LAUNCH = True
+# Split-K sums by the last program of each N tile. The arrival counters are one int32 per N tile per device,
+# shared by every call: GEMVs must not run concurrently on two streams of one device (the engine runs its
+# forward on one stream).
 
 
 @dataclass(frozen=True)
@@ -64,8 +63,8 @@ class GemvConfig:
 
 
 # Explicit choices by (N, K, element size in bytes); shapes not listed use `_heuristic_config`.
-# Chosen in situ (`python kernels/bench_gemv.py --in-situ`, H200, session 8, docs/BENCHMARKS.md): the whole
-# batch-1 Qwen3-0.6B decode step of kernels/bench_pdl.py (PDL on, one CUDA graph, context 1024) timed while
+# Chosen in situ (`python launch/bench/bench_gemv.py --in-situ`, H200): the whole
+# batch-1 Qwen3-0.6B decode step of launch/bench/bench_pdl.py (PDL on, one CUDA graph, context 1024) timed while
 # one shape's choice varies, over the shapes in turn: 1074 -> 980 us per step, and in the engine the
 # batch-1 ITL p50 went 1.15 -> 1.05 ms (GPU busy 1.13 -> 1.04 ms). The isolated sweep (`--sweep`, no PDL,
 # no neighbours) had picked differently: with PDL what counts is how a kernel overlaps its neighbours.
@@ -233,8 +232,8 @@ def gemv(
     weight: torch.Tensor,  # [N, K], rows contiguous, same dtype as x
     bias: torch.Tensor | None = None,  # [N]
     out_dtype: torch.dtype | None = None,  # None: x.dtype; or torch.float32
-    config: GemvConfig | None = None,  # None: gemv_config(N, K, element size); benchmarks pass others
-    one_launch: bool | None = None,  # None: SPLIT_K_ONE_LAUNCH
+    config: GemvConfig | None = None,  # None: gemv_config(N, K, element size); a bench passes others
+    one_launch: bool = True,  # False: the split sum by a second launch, the same bits (the tests' oracle)
     gated: bool = False,  # x is [..., 2K] = gate | up and the input is silu(gate) * up (a SwiGLU down_proj)
 ) -> torch.Tensor:
     """x @ weight^T (+ bias) accumulated in float32, rounded once to `out_dtype`; shape [..., N].
@@ -249,7 +248,7 @@ def gemv(
     partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     bias_arg = bias if bias is not None else weight
     n_tiles = triton.cdiv(n, cfg.block_n)
-    one_launch = (SPLIT_K_ONE_LAUNCH if one_launch is None else one_launch) and split > 1
+    one_launch = one_launch and split > 1
     counters = _split_counters(x.device, n_tiles) if one_launch else partial
     _gemv_kernel[(n_tiles, split)](
         x2, weight, bias_arg, out, partial, counters,

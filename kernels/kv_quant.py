@@ -20,8 +20,9 @@ FP8_MAX = 448.0  # largest finite e4m3fn value; larger magnitudes are clamped (s
 # The fp8 V cache's layout. Each [block_size, Hkv, D] block holds [block_size / 2, Hkv, D, 2]: the two
 # positions 2j and 2j + 1 of a (head, dim) side by side. Why: the P.V dot's operand holds two positions of
 # one dim in one register; from a plain layout Triton fetched them as two byte loads from shared memory
-# (128 per thread per tile), from pairs as one 16-bit load. H200, B = 256 x 2,048 (docs/BENCHMARKS.md,
-# session 10): 400.8 -> 378.8 us per decode call, the same output bits. The K cache keeps the plain
+# (128 per thread per tile), from pairs as one 16-bit load. H200, B = 256 x 2,048
+# (`python launch/bench/bench_attention.py`): 400.8 -> 378.8 us per decode launch, the same output bits. The K
+# cache keeps the plain
 # layout (q.k's operand pairs two dims of one position, adjacent already). The tensor keeps the
 # [N, block_size, Hkv, D] shape and strides; only the order of the bytes in a block differs.
 FP8_V_LAYOUT = "pairs of positions: [block, block_size / 2, Hkv, D, 2]"

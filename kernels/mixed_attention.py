@@ -32,7 +32,6 @@ from spmd_engine.kernels.attention_support import check_attention_inputs, dot_pr
 from spmd_engine.kernels.decode_attention import (
     DecodeConfig,
     _decode_any_splits_kernel,
-    _decode_merge_kernel,
     _decode_split_kernel,
     decode_block_h,
     decode_split_program,
@@ -40,7 +39,6 @@ from spmd_engine.kernels.decode_attention import (
     merge_counters,
     split_count,
 )
-import spmd_engine.kernels.decode_attention as decode_attention
 from spmd_engine.kernels.kv_quant import check_kv_scales
 from spmd_engine.kernels.paged_kv_tile import fp8_dot_in_f16
 from spmd_engine.kernels.pdl import pdl_launch, pdl_prologue
@@ -52,13 +50,6 @@ from spmd_engine.kernels.prefill_attention import (
 )
 
 _LOG2_E = 1.4426950408889634
-# a mixed batch in one launch (False: the decode and prefill kernels back to back, the same bytes). Its
-# split count was a constexpr once, and on an empty Triton cache the 256-request bench compiled a variant
-# per count in its first mixed steps (docs/BENCHMARKS.md, session 5 call D: 17 steps x 403 ms); it is a
-# runtime argument now, in the two-launch path too (`_decode_any_splits_kernel`; before it, that path's
-# mixed steps took 153 ms against 19: session 10). H200, 256-request bench (session 10): two launches
-# 19.0-19.3 ms per mixed step against 19.15 for one, a tie, so one launch stays.
-ONE_LAUNCH = True
 
 
 @triton.jit(do_not_specialize=["num_decode", "num_q_tiles", "prefill_programs", "num_splits"])
@@ -118,7 +109,6 @@ class PagedAttentionPlan:
     mixed: tuple[tuple[int], tuple[Any, ...], dict[str, Any]] | None  # the one-launch kernel: grid, ints, meta
     decode: tuple[tuple[int, int, int], tuple[Any, ...], dict[str, Any]] | None  # decode-only step
     prefill: tuple[tuple[int, int, int], tuple[Any, ...], dict[str, Any]] | None  # prefill-only step
-    merge: tuple[tuple[int, int], dict[str, Any]] | None  # num_splits > 1: merge the decode rows' partials
     partial_shape: tuple[int, int, int, int]  # float32 split outputs [D_seqs, Hq, S, D] (log-sum-exps without D)
     share_partials: bool  # one pair for every layer (else a fresh pair per launch: see plan_paged_attention)
     counters: torch.Tensor | None  # arrival counters of the decode splits that merge themselves (mixed kernel too)
@@ -132,7 +122,7 @@ class PagedAttentionPlan:
     def _partials(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The split partials (with one split the kernel writes `out` directly: it stands in for both,
         except in the mixed kernel, whose pointer types must not follow the split count). Shared by every
-        layer: stream order keeps one layer's merge before the next layer's splits."""
+        layer: stream order keeps one layer's merging splits before the next layer's."""
         if self.partial_shape[2] == 1 and self.mixed is None and not self.decode_any_splits:
             return out, out
         if self.partials is not None:
@@ -162,9 +152,6 @@ class PagedAttentionPlan:
             kernel[grid](
                 query, k_cache, v_cache, out, partial_out, partial_lse, self.counters if self.counters is not None else seq_lens, seq_lens, tables,
                 scale_log2, ks, vs, *self.strides, *ints, **meta)
-        if self.merge is not None:
-            grid, meta = self.merge
-            _decode_merge_kernel[grid](partial_out, partial_lse, out, self.strides[2], self.strides[3], **meta)
         if self.prefill is not None:
             grid, _, meta = self.prefill
             _paged_prefill_kernel[grid](query, k_cache, v_cache, out, *self.prefill_metadata, scale_log2, ks, vs,
@@ -187,7 +174,7 @@ def plan_paged_attention(
     v_scale: torch.Tensor | None = None,
     decode_config: DecodeConfig | None = None,
     prefill_config: PrefillConfig | None = None,
-    fuse: bool | None = None,  # None: ONE_LAUNCH
+    fuse: bool = True,  # False: the decode and prefill kernels back to back, the same bits (the tests' oracle)
     share_partials: bool = True,
     decode_rows_elsewhere: bool = False,
 ) -> PagedAttentionPlan:
@@ -214,7 +201,6 @@ def plan_paged_attention(
     if not 0 <= num_decode <= min(num_seqs, num_tokens):
         raise ValueError(f"paged_attention_plan: num_decode must be in [0, {min(num_seqs, num_tokens)}], "
                          f"got {num_decode}")
-    fuse = ONE_LAUNCH if fuse is None else fuse
     group = num_q_heads // num_kv_heads
     strides = (query.stride(0), query.stride(1), out.stride(0), out.stride(1),
                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
@@ -225,7 +211,7 @@ def plan_paged_attention(
     dcfg = decode_config or default_decode_config(head_dim, query.device, kv_fp8)
     pcfg = prefill_config or default_prefill_config(head_dim, query.device)
 
-    num_splits, decode_meta, merge, counters = 1, None, None, None
+    num_splits, decode_meta, counters = 1, None, None
     if decode_rows_elsewhere:
         num_decode_launched, fuse = 0, False
     else:
@@ -233,10 +219,6 @@ def plan_paged_attention(
     if num_decode_launched:
         num_splits = split_count("paged_attention_plan", None, num_decode, k_cache, block_tables, dcfg)
         decode_meta = dict(BLOCK_H=decode_block_h(group), NUM_SPLITS=num_splits)
-        if num_splits > 1:
-            merge = ((num_decode, num_q_heads), dict(
-                num_q_heads=num_q_heads, NUM_SPLITS=num_splits, HEAD_DIM=head_dim,
-                num_warps=1 if head_dim <= 64 else 2, **pdl_launch(query.device)))
     prefill_grid = (math.ceil(max_query_len / pcfg.block_m), num_q_heads, num_prefill) if has_prefill else None
     mixed = decode = prefill = None
     if num_decode_launched and has_prefill and fuse and dcfg.num_warps == pcfg.num_warps:
@@ -245,7 +227,7 @@ def plan_paged_attention(
         grid = (prefill_programs + num_decode * num_kv_heads * num_splits,)
         # the split count is a runtime int and the splits merge themselves: one compiled kernel for every
         # batch composition (a constexpr split count compiled a variant per count in the middle of a job)
-        counters, merge = merge_counters(query.device, num_decode * num_kv_heads), None
+        counters = merge_counters(query.device, num_decode * num_kv_heads)
         mixed = (grid, (num_q_heads, num_decode, num_q_tiles, prefill_programs, num_splits), dict(
             **common, BLOCK_H=decode_meta["BLOCK_H"], DECODE_BLOCK_N=dcfg.block_n, BLOCK_M=pcfg.block_m,
             BLOCK_N=pcfg.block_n,
@@ -255,15 +237,15 @@ def plan_paged_attention(
         if num_decode_launched and has_prefill:
             # a mixed step in two launches: the split count is a runtime int and the splits merge themselves
             # (`_decode_any_splits_kernel`: one compiled kernel whatever the step's decode rows)
-            counters, merge = merge_counters(query.device, num_decode * num_kv_heads), None
+            counters = merge_counters(query.device, num_decode * num_kv_heads)
             decode = ((num_splits, num_kv_heads, num_decode), (num_q_heads, num_splits), dict(
                 **common, BLOCK_H=decode_meta["BLOCK_H"], BLOCK_N=dcfg.block_n,
                 num_warps=dcfg.num_warps, num_stages=dcfg.num_stages))
         elif num_decode_launched:
             # a decode-only step's splits merge themselves (the last arrival per (sequence, KV head); no launch)
-            fused_merge = merge is not None and decode_attention.DECODE_FUSED_MERGE
+            fused_merge = num_splits > 1
             if fused_merge:
-                counters, merge = merge_counters(query.device, num_decode * num_kv_heads), None
+                counters = merge_counters(query.device, num_decode * num_kv_heads)
             decode = ((num_splits, num_kv_heads, num_decode), (num_q_heads,), dict(
                 **common, **decode_meta, BLOCK_N=dcfg.block_n, FUSED_MERGE=fused_merge,
                 num_warps=dcfg.num_warps, num_stages=dcfg.num_stages))
@@ -278,5 +260,5 @@ def plan_paged_attention(
         prefill_metadata = (cu_seqlens_q[num_decode:].clone(), seq_lens[num_decode:].clone(),
                             block_tables[num_decode:])
     return PagedAttentionPlan(plan_key(query, k_cache, out, kv_fp8), kv_fp8, (cu_seqlens_q, seq_lens, block_tables),
-                              prefill_metadata, strides, mixed, decode, prefill, merge,
+                              prefill_metadata, strides, mixed, decode, prefill,
                               (num_decode, num_q_heads, num_splits, head_dim), share_partials, counters)

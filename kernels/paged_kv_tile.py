@@ -31,11 +31,11 @@ def paged_tile_offsets(
     where a tile starts at a runtime offset (a decode split's start), and a signed // and % by the
     block size each take a sign fix-up per element. Same offsets; compiled for sm_90 (Triton 3.6, head
     128, block 16) the decode kernel's loop went from 809 to 661 instructions per 128-key tile in bf16
-    and from 1,011 to 934 with an fp8 cache, the prefill kernel's from 677 to 618 (docs/BENCHMARKS.md,
-    session 11). On the H200 bf16 decode steps gained 0.4 %; the fp8 loop of the plain V layout lost 6 %
+    and from 1,011 to 934 with an fp8 cache, the prefill kernel's from 677 to 618 (SASS of
+    the compiled kernels). On the H200 bf16 decode steps gained 0.4 %; the fp8 loop of the plain V layout lost 6 %
     (its registers fell 104 -> 96: five programs per SM instead of four), but with V in pairs of positions
-    it has 96 either way and signed or unsigned time the same (148.5 / 148.4 us per call; docs/BENCHMARKS.md,
-    session 12)."""
+    it has 96 either way and signed or unsigned time the same (148.5 / 148.4 us per launch;
+    `python launch/bench/bench_attention.py`)."""
     unsigned = positions.to(tl.uint32)
     slots = (unsigned % BLOCK_SIZE).to(tl.int64) * stride_pos
     if BLOCK_SIZE >= BLOCK_N:

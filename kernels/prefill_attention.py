@@ -64,7 +64,7 @@ def _attend_tile(
         # K's rows (a gather by position anyway) follow the same order, so P splits by column halves. Why: a
         # [BLOCK_N, HEAD_DIM] operand in position order re-interleaved the pairs through 32-bit shared stores,
         # 616 us per 16 x 1,024 prefill on the H200 against 364 us this way (the plain layout's: 333 us;
-        # docs/BENCHMARKS.md, session 12). The keys' order changes only the float32 sums' rounding.
+        # `python launch/bench/bench_attention.py`). The keys' order changes only the float32 sums' rounding.
         keys = tl.arange(0, BLOCK_N)
         positions = tile_start + tl.where(keys < BLOCK_N // 2, 2 * keys, 2 * keys - (BLOCK_N - 1))
         valid = positions < seq_len
@@ -88,8 +88,8 @@ def _attend_tile(
         else:
             raw = tl.load(pairs)
         # upcast, then split: a converted pair (even, odd of one dim) is one register, and one byte-permute per
-        # output register regroups them (splitting the bytes first took twice the permutes: SASS, session 12;
-        # H200, fp8 prefill 16 x 1,024: 362 -> 349 us, docs/BENCHMARKS.md session 13)
+        # output register regroups them (splitting the bytes first took twice the permutes in the SASS;
+        # H200, fp8 prefill 16 x 1,024: 362 -> 349 us, `python launch/bench/bench_attention.py`)
         v_even, v_odd = tl.split(tl.reshape(raw.to(q.dtype), [BLOCK_N // 2, HEAD_DIM, 2]))
         if MASKED:  # an odd end's partner (a stale or unwritten byte, maybe NaN; its p is 0): made finite
             v_odd = tl.minimum(v_odd, tl.full([BLOCK_N // 2, HEAD_DIM], E4M3_MAX, q.dtype))

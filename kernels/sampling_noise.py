@@ -502,7 +502,7 @@ def _mass_above(base, temp, top, vocab, lanes, cut, BLOCK: tl.constexpr):
 
 NUCLEUS_BLOCK = 2048  # columns per iteration of the finishing kernel's whole-row scans (one program per row)
 # (columns per iteration, warps) of the chunked passes: round 0's mass pass, whose programs all scan, and the
-# later rounds' race and mass passes, where only the rejected rows' programs scan (kernels/bench_nucleus.py)
+# later rounds' race and mass passes, where only the rejected rows' programs scan (launch/bench/bench_nucleus.py)
 NUCLEUS_MASS_TILE = (BLOCK, 4)
 NUCLEUS_ROUND_TILE = (BLOCK, 4)
 NUCLEUS_CHUNKED_ROUNDS = 3  # rounds 0.. spread over (row, chunk) programs; the rest run a program per row

@@ -166,7 +166,8 @@ class Engine:
 
     def _load_model(self, backend: str) -> torch.nn.Module:
         """Build this rank's shard of the model in the engine's dtype and device, then load its weights."""
-        from spmd_engine.models.layers.attention import set_decode_cuda, set_fp8_decode_cuda
+        from spmd_engine.models.layers.attention import use_attention_backend
+        from spmd_engine.models.layers.attention_backends import select_attention_backend
         from spmd_engine.models.layers.linear import set_small_batch_gemv
         from spmd_engine.models.loader import load_dummy_weights, load_safetensors_weights
         from spmd_engine.models.parallel import TensorParallel
@@ -192,8 +193,8 @@ class Engine:
             load_safetensors_weights(model, self.source.checkpoint_dir)
         model.eval()
         set_small_batch_gemv(model, cfg.debug.small_batch_gemv)
-        set_fp8_decode_cuda(model, cfg.debug.cuda_fp8_decode)
-        set_decode_cuda(model, cfg.debug.cuda_decode)
+        use_attention_backend(model, select_attention_backend(backend, self.device, cfg.kv_cache_dtype,
+                                                              cfg.debug.cuda_decode, cfg.debug.cuda_fp8_decode))
         log.info("model %s loaded (%s, %s, attention=%s, tp=%d) in %.1f s", cfg.model.name,
                  self.source.checkpoint_dir or "dummy weights", str(self.dtype).replace("torch.", ""),
                  backend, replica.tp_size, time.perf_counter() - started)

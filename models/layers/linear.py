@@ -31,7 +31,7 @@ def divide(total: int, parts: int, what: str) -> int:
 
 # Rows up to which CUDA matmuls take the GEMV. Keep it a CUDA-graph batch size (1, 2, 4, 8 or 16:
 # executor/cuda_graphs.py) so that a decode batch and the graph it is padded to take the same kernel
-# and give the same bits; at most kernels.gemv.GEMV_MAX_M (16). Pick it with kernels/bench_gemv.py.
+# and give the same bits; at most kernels.gemv.GEMV_MAX_M (16). Pick it with launch/bench/bench_gemv.py.
 SMALL_BATCH_MAX_M = 16
 
 

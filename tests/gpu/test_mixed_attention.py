@@ -168,10 +168,10 @@ def test_engine_start_compiles_every_attention_kernel_its_steps_launch(tmp_path)
 ])
 def test_decode_rows_on_the_cuda_kernel_and_the_prompt_chunks_planned_alone(num_decode, context, prompts, block_size,
                                                                            fp8):
-    """`decode_rows_elsewhere`, as models/layers/attention.py runs a mixed step under `MIXED_DECODE_ON_CUDA`: the
-    plan launches the prefill kernel over the prompt chunks only (their rows bit for bit the two-kernel path's,
-    the decode rows untouched) and the cache's CUDA decode kernel takes the decode rows (close to the Triton
-    decode kernel's: another summation order)."""
+    """`decode_rows_elsewhere`, as the CUDA decode attention backend runs a mixed step
+    (models/layers/attention_backends/cuda_decode.py): the plan launches the prefill kernel over the prompt
+    chunks only (their rows bit for bit the two-kernel path's, the decode rows untouched) and the cache's CUDA
+    decode kernel takes the decode rows (close to the Triton decode kernel's: another summation order)."""
     from spmd_engine.kernels import decode_attention_cuda, decode_attention_fp8_cuda
 
     batch = mixed_batch(num_decode, context, prompts, block_size, fp8=fp8)
@@ -184,7 +184,7 @@ def test_decode_rows_on_the_cuda_kernel_and_the_prompt_chunks_planned_alone(num_
     out = torch.full_like(batch.query, float("nan"))
     plan = plan_paged_attention(batch.query, batch.k_cache, batch.v_cache, out, batch.cu_seqlens_q, batch.seq_lens,
                                 batch.block_tables, n, batch.max_query_len, decode_rows_elsewhere=True, **scales)
-    assert plan.mixed is None and plan.decode is None and plan.merge is None and plan.prefill is not None
+    assert plan.mixed is None and plan.decode is None and plan.prefill is not None
     plan.launch(batch.query, batch.k_cache, batch.v_cache, out, batch.scale, batch.k_scale, batch.v_scale)
     assert torch.isnan(out[:n]).all()  # the decode rows are the caller's
     assert torch.equal(out[n:], expected[n:])

@@ -115,8 +115,7 @@ class LaunchRecorder:
 
     def __init__(self, monkeypatch) -> None:
         self.launches: list[tuple[str, tuple, list[torch.Tensor]]] = []
-        for name in ("_mixed_paged_attention_kernel", "_decode_split_kernel", "_decode_merge_kernel",
-                     "_paged_prefill_kernel"):
+        for name in ("_mixed_paged_attention_kernel", "_decode_split_kernel", "_paged_prefill_kernel"):
             kernel = getattr(mixed_attention, name)
             monkeypatch.setattr(type(kernel), "__getitem__", lambda k, grid: self._launcher(k, grid))
 

@@ -88,15 +88,19 @@ def test_decode_steps_prepare_q_k_inside_attention_only_on_the_caches_named(monk
 
 
 class _CudaDecodeOnTorch:
-    """Stands in for kernels/decode_attention_cuda on CPU: its `DecodePrologue` and switch, and a kernel that
-    does what the prologue promises with the Triton kernels the two-launch path runs (the store kernel on the
-    raw q/k/v it was handed, then decode attention). Records the prologue of every call."""
+    """Stands in for kernels/decode_attention_cuda on CPU: its `DecodePrologue` (`prepare` False: one that never
+    fits, so the backend runs the store kernel first), and a kernel that does what the prologue promises with
+    the Triton kernels the two-launch path runs (the store kernel on the raw q/k/v it was handed, then decode
+    attention). Records the prologue of every call."""
 
     def __init__(self, prepare: bool) -> None:
         from spmd_engine.kernels import decode_attention_cuda
 
-        self.DecodePrologue = decode_attention_cuda.DecodePrologue
-        self.PREPARE_QK_IN_KERNEL = prepare
+        class NeverFits(decode_attention_cuda.DecodePrologue):
+            def fits(self, query) -> bool:
+                return False
+
+        self.DecodePrologue = decode_attention_cuda.DecodePrologue if prepare else NeverFits
         self.prologues: list = []
 
     @staticmethod
@@ -118,11 +122,12 @@ class _CudaDecodeOnTorch:
 
 @pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "LlamaForCausalLM"])
 def test_decode_steps_hand_the_cuda_kernel_the_raw_projection_rows(monkeypatch, arch):
-    """With `PREPARE_QK_IN_KERNEL` a bf16/fp16 cache's decode step gives the CUDA kernel the qkv projection's raw
+    """Where the prologue fits, a bf16/fp16 cache's decode step gives the CUDA kernel the qkv projection's raw
     q/k/v, the step's cos/sin and slots and the layer's q/k norm weights (Qwen3), and runs no store kernel first;
     the model's logits equal those of the store kernel followed by the kernel (a swapped, dropped or pre-rotated
     input would show)."""
-    import spmd_engine.models.layers.attention as attention_module
+    from spmd_engine.models.layers.attention import use_attention_backend
+    from spmd_engine.models.layers.attention_backends.cuda_decode import CudaDecodeAttentionBackend, CudaDecodeKernel
 
     torch.manual_seed(0)
     model = build_model({**BASE, "head_dim": 128, "architectures": [arch]}, TensorParallel.single(), "triton")
@@ -141,7 +146,8 @@ def test_decode_steps_hand_the_cuda_kernel_the_raw_projection_rows(monkeypatch, 
     runs = {}
     for prepare in (True, False):
         kernel = _CudaDecodeOnTorch(prepare)
-        monkeypatch.setattr(attention_module, "_cuda16", kernel)
+        use_attention_backend(model, CudaDecodeAttentionBackend(
+            CudaDecodeKernel(kernel, "paged_decode_attention_cuda", takes_scales=False)))
         store_calls.clear()
         runs[prepare] = run_paged(model, PROMPTS, num_steps=3, forced_tokens=runs[True].generated if runs else None)
         assert len(kernel.prologues) == layers * 3  # every decode step's layers through the kernel

@@ -144,15 +144,15 @@ def record_triton_launches(monkeypatch) -> list[str]:
 @pytest.mark.parametrize("one_launch", [True, False])
 def test_mixed_step_is_planned_once_and_launched_once_per_layer(monkeypatch, one_launch):
     """Every layer of a mixed step reuses the plan the first one built (checks, split count, grids
-    computed once per step) and launches one kernel (or, `ONE_LAUNCH` off, the decode and prefill kernels);
-    each layer's output has the bits of the decode-kernel + prefill-kernel path."""
+    computed once per step) and launches one kernel (or, planned with `fuse=False`, the decode and prefill
+    kernels); each layer's output has the bits of the decode-kernel + prefill-kernel path."""
     from spmd_engine.kernels import mixed_attention
 
-    monkeypatch.setattr(mixed_attention, "ONE_LAUNCH", one_launch)
     layers, attn = mixed_step_layers(3, seed=10)
     plans, launches = [], record_triton_launches(monkeypatch)
     build = mixed_attention.plan_paged_attention
-    monkeypatch.setattr(mixed_attention, "plan_paged_attention", lambda *a, **k: plans.append(build(*a, **k)) or plans[-1])
+    monkeypatch.setattr(mixed_attention, "plan_paged_attention",
+                        lambda *a, **k: plans.append(build(*a, **k, fuse=one_launch)) or plans[-1])
     for i, layer in enumerate(layers):
         q, k, v = qkv(sum(n for _, n in MIXED_STEP), seed=20 + i)
         out = layer(q, k, v, attn)
@@ -168,8 +168,6 @@ def test_mixed_step_is_planned_once_and_launched_once_per_layer(monkeypatch, one
 class _CudaDecodeStandIn:
     """Stands in for kernels/decode_attention_cuda on CPU: takes every shape and attends with the Triton decode
     kernel; records what each call was handed."""
-
-    PREPARE_QK_IN_KERNEL = False
 
     def __init__(self) -> None:
         self.calls: list[tuple] = []
@@ -189,17 +187,19 @@ class _CudaDecodeStandIn:
 @ON_CPU_ONLY
 @pytest.mark.parametrize("on_cuda", [True, False])
 def test_a_mixed_step_hands_its_decode_rows_to_the_cuda_decode_kernel(monkeypatch, on_cuda):
-    """With `MIXED_DECODE_ON_CUDA` a mixed step's decode rows go to the cache's CUDA decode kernel (here a
+    """On the CUDA decode backend a mixed step's decode rows go to the cache's CUDA decode kernel (here a
     stand-in) and the prompt chunks to the Triton prefill kernel, in place of the mixed kernel: the same output
-    as the decode kernel + prefill kernel, every layer; off, the mixed kernel takes both. Decode steps keep
-    their own path."""
-    import spmd_engine.models.layers.attention as attention_module
-    from spmd_engine.kernels import mixed_attention
+    as the decode kernel + prefill kernel, every layer; on the Triton backend the mixed kernel takes both.
+    Decode steps keep their own path."""
+    from spmd_engine.models.layers.attention import use_attention_backend
+    from spmd_engine.models.layers.attention_backends.cuda_decode import CudaDecodeAttentionBackend, CudaDecodeKernel
 
     stand_in = _CudaDecodeStandIn()
-    monkeypatch.setattr(attention_module, "_cuda16", stand_in)
-    monkeypatch.setattr(attention_module, "MIXED_DECODE_ON_CUDA", on_cuda)
     layers, attn = mixed_step_layers(2, seed=30)
+    if on_cuda:
+        backend = CudaDecodeAttentionBackend(CudaDecodeKernel(stand_in, "paged_decode_attention_cuda", False))
+        for layer in layers:
+            use_attention_backend(layer, backend)
     launches = record_triton_launches(monkeypatch)
     for i, layer in enumerate(layers):
         q, k, v = qkv(sum(n for _, n in MIXED_STEP), seed=40 + i)
@@ -221,42 +221,40 @@ def test_a_mixed_step_hands_its_decode_rows_to_the_cuda_decode_kernel(monkeypatc
     assert len(stand_in.calls) == (len(layers) if on_cuda else 0)  # a decode step: not through this path
 
 
-def test_the_fp8_decode_switch_reaches_every_attention_layer():
-    """Engine key cuda_fp8_decode: `set_fp8_decode_cuda` sets every layer's flag (on by default); on CPU the
-    CUDA kernel never applies (it takes CUDA tensors only)."""
-    from spmd_engine.kernels.decode_attention_fp8_cuda import supports
+def test_the_engine_picks_the_backend_once_for_every_attention_layer():
+    """`select_attention_backend`: the CUDA decode kernel of the cache's dtype on a CUDA device unless its switch
+    (engine keys cuda_decode, cuda_fp8_decode) is off, the Triton kernels alone elsewhere; `use_attention_backend`
+    hands the one object to every layer. On CPU the CUDA kernels never apply (they take CUDA tensors only)."""
+    from spmd_engine.kernels.decode_attention_cuda import supports as supports_16
+    from spmd_engine.kernels.decode_attention_fp8_cuda import supports as supports_fp8
     from spmd_engine.kernels.kv_quant import FP8_DTYPE
-    from spmd_engine.models.layers.attention import set_fp8_decode_cuda
+    from spmd_engine.models.layers.attention import use_attention_backend
+    from spmd_engine.models.layers.attention_backends import select_attention_backend
+    from spmd_engine.models.layers.attention_backends.cuda_decode import CudaDecodeAttentionBackend
+    from spmd_engine.models.layers.attention_backends.torch_reference import TorchAttentionBackend
+    from spmd_engine.models.layers.attention_backends.triton import TritonAttentionBackend
     from spmd_engine.models.parallel import TensorParallel
     from spmd_engine.models.registry import build_model
 
-    tiny = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 50,
-            "max_position_embeddings": 32}
-    layers = [m for m in build_model(tiny, TensorParallel.single()).modules() if isinstance(m, Attention)]
-    assert len(layers) == 2 and all(layer.fp8_decode_cuda for layer in layers)
-    model = layers[0]  # a layer is a module too: the switch walks whatever it is given
-    set_fp8_decode_cuda(model, False)
-    assert not layers[0].fp8_decode_cuda and layers[1].fp8_decode_cuda
-    cache = torch.zeros(4, 16, 8, 128, dtype=FP8_DTYPE)
-    assert not supports(torch.zeros(2, 16, 128, dtype=torch.bfloat16), cache, cache)
-
-
-def test_the_16_bit_decode_switch_reaches_every_attention_layer():
-    """Engine key cuda_decode: `set_decode_cuda` sets every layer's flag (on by default); on CPU the CUDA kernel
-    never applies (it takes CUDA tensors only), and it refuses an fp8 cache (that one has its own kernel)."""
-    from spmd_engine.kernels.decode_attention_cuda import supports
-    from spmd_engine.kernels.kv_quant import FP8_DTYPE
-    from spmd_engine.models.layers.attention import set_decode_cuda
-    from spmd_engine.models.parallel import TensorParallel
-    from spmd_engine.models.registry import build_model
+    cuda = torch.device("cuda")
+    fp8 = select_attention_backend("triton", cuda, "fp8", cuda_decode=False, cuda_fp8_decode=True)
+    bf16 = select_attention_backend("triton", cuda, "auto", cuda_decode=True, cuda_fp8_decode=False)
+    assert type(fp8) is CudaDecodeAttentionBackend and fp8.kernel.module.supports is supports_fp8
+    assert type(bf16) is CudaDecodeAttentionBackend and bf16.kernel.module.supports is supports_16
+    for off in (select_attention_backend("triton", cuda, "fp8", cuda_decode=True, cuda_fp8_decode=False),
+                select_attention_backend("triton", cuda, "auto", cuda_decode=False, cuda_fp8_decode=True),
+                select_attention_backend("triton", torch.device("cpu"), "auto"), select_attention_backend("triton")):
+        assert type(off) is TritonAttentionBackend
+    assert type(select_attention_backend("torch", cuda, "fp8")) is TorchAttentionBackend
+    assert fp8.name == bf16.name == "triton"
 
     tiny = {"architectures": ["LlamaForCausalLM"], "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 50, "max_position_embeddings": 32}
     layers = [m for m in build_model(tiny, TensorParallel.single()).modules() if isinstance(m, Attention)]
-    assert len(layers) == 3 and all(layer.decode_cuda for layer in layers)
-    set_decode_cuda(layers[1], False)
-    assert [layer.decode_cuda for layer in layers] == [True, False, True]
+    assert len(layers) == 3 and len({id(layer.attention_backend) for layer in layers}) == 3
+    use_attention_backend(layers[1], fp8)  # a layer is a module too: the choice walks whatever it is given
+    assert [layer.attention_backend is fp8 for layer in layers] == [False, True, False]
     query = torch.zeros(2, 16, 128, dtype=torch.bfloat16)
-    assert not supports(query, torch.zeros(4, 16, 8, 128, dtype=torch.bfloat16), torch.zeros(4, 16, 8, 128, dtype=torch.bfloat16))
-    assert not supports(query, torch.zeros(4, 16, 8, 128, dtype=FP8_DTYPE), torch.zeros(4, 16, 8, 128, dtype=FP8_DTYPE))
+    cache16, cache8 = torch.zeros(4, 16, 8, 128, dtype=torch.bfloat16), torch.zeros(4, 16, 8, 128, dtype=FP8_DTYPE)
+    assert not supports_16(query, cache16, cache16) and not supports_16(query, cache8, cache8)
+    assert not supports_fp8(query, cache8, cache8)
