@@ -1,10 +1,11 @@
 """torch's intra-op threads on a CPU job, chosen from the cores this process may use and the ranks that share them.
 
 Why: torch's default is one thread per core for every rank, so N ranks on one node run N x cores
-threads, and a decode step's many tiny ops then spin-wait on oversubscribed cores. 2-core machine
+threads, and a decode step's many tiny ops then spin-wait on oversubscribed cores; one core busy with
+anything else (the rank's own host loop, the tokenizer, another job) has the same effect. 2-core machine
 loaded by other work, `python run.py` (SmolLM2, 4 chat prompts): ITL p50 1.33-1.78 s with 2 threads
-against 0.18 s with `cpu_threads=1` (463-612 s against 58 s a job). The auto share keeps ranks from
-oversubscribing each other; it cannot see other processes' load: set cpu_threads (or OMP_NUM_THREADS).
+against 0.18 s with 1 (docs/PERFORMANCE.md, "CPU: the default job"). So the auto choice shares the
+cores among the node's ranks and leaves one core to the rest of the machine.
 """
 from __future__ import annotations
 
@@ -46,8 +47,8 @@ def ranks_on_node(env: Mapping[str, str], world_size: int) -> int:
 
 
 def auto_cpu_threads(cores: int, ranks: int) -> int:
-    """cpu_threads=null: an equal share of the available cores per rank on the node, at least one."""
-    return max(1, cores // max(1, ranks))
+    """cpu_threads=null: an equal share per rank on the node of the available cores but one, at least one."""
+    return max(1, (cores - 1) // max(1, ranks))
 
 
 def choose_cpu_threads(requested: int | None, cores: int, ranks: int, env: Mapping[str, str]) -> ThreadChoice:

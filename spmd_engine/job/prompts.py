@@ -13,7 +13,6 @@ from typing import Any
 
 from spmd_engine.core.requests import PromptRequest, validate_prompt  # noqa: F401 (re-exported)
 from spmd_engine.core.requests import shorten as _short
-from spmd_engine.tokenizer import load_tokenizer  # noqa: F401 (re-exported for tests/helpers/run_engine.py)
 
 DEFAULT_PROMPTS: list[str] = [
     "What is the capital of France? Answer in one sentence.",

@@ -103,14 +103,14 @@ EAGER = [{"temperature": 0.8, "top_p": 0.9, "seed": 7}, {"temperature": 0.8, "to
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_an_engine_samples_the_same_tokens_with_the_key_on_and_off(checkpoint, async_scheduling):
-    off = make_llm(checkpoint, sampler_graphs=False, async_scheduling=async_scheduling)
+    off = make_llm(checkpoint, debug={"sampler_graphs": False}, async_scheduling=async_scheduling)
     try:
         assert off.runner.graphs is not None and off.runner.sampler_graphs is None
         expected = [[outputs(off, prompts, **params) for prompts in (PROMPTS, PROMPTS[:3], PROMPTS[2:3])]
                     for params in UNIFORM + EAGER]
     finally:
         off.close()
-    on = make_llm(checkpoint, sampler_graphs=True, async_scheduling=async_scheduling)
+    on = make_llm(checkpoint, debug={"sampler_graphs": True}, async_scheduling=async_scheduling)
     try:
         graphs = on.runner.sampler_graphs
         assert graphs is not None and graphs.sizes == on.runner.graphs.sizes == [1, 2, 4, 8]

@@ -151,7 +151,7 @@ def generate_in_process(args: list[str]) -> list[list[int]]:
     from spmd_engine.config import engine_config_from_dict, store_config_defaults
     from spmd_engine.distributed import RankInfo
     from spmd_engine.engine import Engine
-    from spmd_engine.job.prompts import load_tokenizer
+    from spmd_engine.tokenizer import load_tokenizer
     from spmd_engine.job.workloads import build_requests
 
     overrides = [a for a in args if not a.startswith("hydra.")]

@@ -248,8 +248,9 @@ def test_cpu_threads_takes_an_integer_or_null():
         engine_config_from_dict(base(cpu_threads="many"))
 
 
-@pytest.mark.parametrize("cores,ranks,threads", [(2, 1, 2), (2, 2, 1), (2, 4, 1), (16, 4, 4), (16, 3, 5), (1, 1, 1)])
-def test_auto_cpu_threads_shares_the_cores_among_the_ranks_on_the_node(cores, ranks, threads):
+@pytest.mark.parametrize("cores,ranks,threads", [(2, 1, 1), (2, 2, 1), (2, 4, 1), (16, 1, 15), (16, 4, 3), (17, 4, 4),
+                                                 (16, 3, 5), (1, 1, 1)])
+def test_auto_cpu_threads_shares_all_cores_but_one_among_the_ranks_on_the_node(cores, ranks, threads):
     from spmd_engine.job.cpu_threads import auto_cpu_threads
 
     assert auto_cpu_threads(cores, ranks) == threads
@@ -262,7 +263,7 @@ def test_cpu_threads_choice_key_then_omp_then_auto():
     omp = choose_cpu_threads(None, 16, 2, {"OMP_NUM_THREADS": "1"})
     assert omp.threads is None and omp.reason == "OMP_NUM_THREADS=1"  # torch already follows it
     auto = choose_cpu_threads(None, 16, 2, {})
-    assert (auto.threads, auto.reason) == (8, "auto: 16 cores available / 2 ranks on this node")
+    assert (auto.threads, auto.reason) == (7, "auto: 16 cores available / 2 ranks on this node")
     assert ranks_on_node({"LOCAL_WORLD_SIZE": "2"}, world_size=8) == 2
     assert ranks_on_node({"SLURM_NTASKS_PER_NODE": "4(x2)"}, world_size=8) == 4
     assert ranks_on_node({}, world_size=3) == 3

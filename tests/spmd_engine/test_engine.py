@@ -200,7 +200,7 @@ def test_cuda_pdl_on_cpu_is_a_silent_no_op(tiny, caplog):
     path, expected = tiny
     with caplog.at_level("INFO", logger="spmd_engine.engine"):
         llm = make_llm(path, cuda_pdl=True)
-    assert llm.cfg.cuda_pdl and not llm.runner.pdl
+    assert llm.cfg.debug.cuda_pdl and not llm.runner.pdl
     assert any("cuda_pdl=False" in r.getMessage() for r in caplog.records)
     assert tokens(generate(llm, PROMPTS[:2])) == expected[:2]
 
