@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from spmd_engine.kernels.attention_support import check_attention_inputs, dot_precision, supports_shape
+from spmd_engine.kernels.attention_support import check_attention_inputs, dot_precision
 from spmd_engine.kernels.kv_quant import check_kv_scales
 from spmd_engine.kernels.paged_kv_tile import (
     E4M3_MAX,

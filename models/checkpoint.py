@@ -36,7 +36,7 @@ def _cached_snapshot(repo_id: str, cache: Path) -> Path | None:
 
 def looks_like_hub_id(text: str) -> bool:
     """`org/name` and nothing a user would type as a path (absolute, ./, ../, ~, several levels)."""
-    return HUB_ID.fullmatch(text) is not None and not text.split("/")[0] in (".", "..")
+    return HUB_ID.fullmatch(text) is not None and text.split("/")[0] not in (".", "..")
 
 
 def resolve_checkpoint(path_or_hub_id: str) -> Path:

@@ -1,4 +1,5 @@
-import os, torch
+import os
+import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on CPU, must precede @triton.jit

@@ -21,7 +21,6 @@ import numpy as np
 import torch
 
 from spmd_engine.core.plan import prompt_logit_count  # noqa: F401 (re-exported)
-from spmd_engine.core.sequence import Sequence
 from spmd_engine.executor.device_copy import to_device_async
 
 

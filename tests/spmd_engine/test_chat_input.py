@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 
 from spmd_engine.config import ConfigError, engine_config_from_dict
-from spmd_engine.distributed import RankInfo
 from spmd_engine.job.prompts import read_prompts, tokenize
 from spmd_engine.tokenizer import load_tokenizer
 from tests.helpers.tiny_checkpoints import make_tiny_checkpoint

@@ -1,7 +1,6 @@
 """Penalties and min_p (vLLM semantics) applied to logits before the sampler, per row."""
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest

@@ -167,7 +167,10 @@ def test_every_row_draws_the_same_token_alone_and_in_any_batch(counter):
 
 def test_draws_are_a_function_of_seed_and_counter():
     logits = torch.zeros(1, 1000)  # uniform: every token equally likely, so the noise alone decides
-    draw = lambda seed, counter: sample(logits, [row(0, seed=seed, counter=counter)])[0]
+
+    def draw(seed, counter):
+        return sample(logits, [row(0, seed=seed, counter=counter)])[0]
+
     assert draw(5, 3) == draw(5, 3)
     assert len({draw(5, c) for c in range(20)}) > 15  # successive tokens draw afresh
     assert len({draw(s, 0) for s in range(20)}) > 15  # so do other seeds
