@@ -100,13 +100,13 @@ PY
     profile)
       note "profile: GPU time per decode step by kernel, batch 1 and 256 (launch/bench/kernel_profile.py)"
       CUDA_VISIBLE_DEVICES=0 timeout -k 10 200 python launch/bench/kernel_profile.py 2>&1 | grep -v Warning | tee -a "$LOG" ;;
-    pdl)  # Programmatic Dependent Launch (cuda_pdl): its checks, the graph A/B, then the engine with it on
+    pdl)  # Programmatic Dependent Launch (debug.cuda_pdl): its checks, the graph A/B, then the engine with it on
       note "pdl: tests/kernels/test_pdl.py (sm_90 PTX order) + launch/bench/bench_pdl.py (decode step graph, off vs on)"
       CUDA_VISIBLE_DEVICES=0 timeout -k 10 300 python -m pytest tests/kernels/test_pdl.py tests/gpu/test_pdl.py -q -x \
         -p no:cacheprovider 2>&1 | tee -a "$LOG" | tail -5
       CUDA_VISIBLE_DEVICES=0 timeout -k 10 300 python launch/bench/bench_pdl.py 2>&1 | grep -v Warning | tee -a "$LOG"
-      CUDA_VISIBLE_DEVICES=0 run bs1_pdl 120 python run.py model=qwen3 "${BENCH[@]}" workload.num_seqs=1 cuda_pdl=true
-      CUDA_VISIBLE_DEVICES=0 run qwen3_pdl 200 python run.py model=qwen3 "${BENCH[@]}" max_model_len=4096 cuda_pdl=true ;;
+      CUDA_VISIBLE_DEVICES=0 run bs1_pdl 120 python run.py model=qwen3 "${BENCH[@]}" workload.num_seqs=1 debug.cuda_pdl=true
+      CUDA_VISIBLE_DEVICES=0 run qwen3_pdl 200 python run.py model=qwen3 "${BENCH[@]}" max_model_len=4096 debug.cuda_pdl=true ;;
     *) note "unknown stage $stage" ;;
   esac
 done

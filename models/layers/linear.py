@@ -8,7 +8,8 @@ tensor per `shard_id`.
 Every matmul here and in the LM head goes through `linear`: on CUDA, bf16/fp16 inputs of at most
 SMALL_BATCH_MAX_M rows (decode at small batch) take the Triton split-K GEMV (`kernels/gemv.py`),
 which reads the weights near bandwidth where cuBLAS does not; everything else takes cuBLAS / torch.
-The engine key `small_batch_gemv: false` turns the GEMV off (`set_small_batch_gemv`).
+The engine turns it off everywhere only on the developer override `debug.small_batch_gemv=false`
+(`set_small_batch_gemv`, for A/B benches).
 """
 from __future__ import annotations
 
@@ -84,7 +85,7 @@ class SmallBatchSwitch:
 
 
 def set_small_batch_gemv(model: nn.Module, enabled: bool) -> None:
-    """Turn the small-batch GEMV on or off in every layer of `model` (engine key `small_batch_gemv`)."""
+    """Turn the small-batch GEMV on or off in every layer of `model` (the engine passes `debug.small_batch_gemv`)."""
     for module in model.modules():
         if isinstance(module, SmallBatchSwitch):
             module.small_batch_gemv = enabled

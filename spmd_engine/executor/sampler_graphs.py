@@ -15,7 +15,8 @@ which the race skips (~10 % of its work at 129 of 144 rows; the greedy argmax ta
 their tokens are garbage nobody reads. Every launch treats rows apart, so a row's token still depends on
 its own logits, seed, counter and temperature only. Every other step
 (top-k, top-p, mixed paths, rows with logits processors or logprobs, steps not replayed from a
-decode graph, or not sampling every row) keeps the eager sampler. Engine key `sampler_graphs`.
+decode graph, or not sampling every row) keeps the eager sampler. Used wherever it applies; the developer
+override `debug.sampler_graphs=false` turns it off for A/B benches.
 
 The tokens a replay returns are its static output, the first rows of the runner's token feed (where the
 next decode graph takes its deferred inputs from, with no eager launch between the two graphs): valid
