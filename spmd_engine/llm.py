@@ -14,6 +14,7 @@ from pathlib import Path
 from collections.abc import Callable, Iterable
 from typing import Any, Union
 
+from spmd_engine.cpu_threads import apply_cpu_threads
 from spmd_engine.config import ConfigError, EngineConfig, engine_config_from_dict, startup_settings, store_config_defaults
 from spmd_engine.core.requests import PolledRequests, PromptRequest, RequestOutput
 from spmd_engine.core.sequence import SamplingParams
@@ -102,6 +103,8 @@ class LLM:
         init_process_group(ranks, startup.device != "cpu" and _cuda_available(), startup.timeout_s,
                            startup.rendezvous_timeout_s)
         cfg = agreed(lambda: engine_config_from_dict(raw))
+        if cfg.cpu_threads is not None:  # null: the program that embeds the LLM owns its process's threads
+            apply_cpu_threads(cfg, ranks)
         self._init(cfg, ranks)
 
     @classmethod

@@ -121,7 +121,7 @@ def main() -> None:
     p.add_argument("--top", type=int, default=18)
     p.add_argument("--top-p", type=float, nargs="+", default=[1.0], metavar="P",
                    help="the requests' top_p (the bench's workload.top_p), one profile each; 1: plain temperature")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an engine key (yaml value)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an engine key (yaml value; dotted keys nest: debug.cuda_pdl=false)")
     p.add_argument("--whole-bench", action="store_true", help="instead: kernel totals over the bench workload")
     p.add_argument("--boundary", action="store_true",
                    help="instead: the bench's GPU timeline between decode steps (gaps, copies, the draw)")
@@ -139,7 +139,12 @@ def main() -> None:
     keys = {"max_model_len": 4096, "log_level": "WARNING"}
     if args.whole_bench or args.prefill_steps or args.boundary:  # the profiled run repeats the warm one: no hits
         keys["enable_prefix_caching"] = False
-    keys.update({k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in args.set)})
+    for key, value in (s.split("=", 1) for s in args.set):  # a dotted key (debug.cuda_pdl) sets a nested one
+        *groups, name = key.split(".")
+        node = keys
+        for group in groups:
+            node = node.setdefault(group, {})
+        node[name] = yaml.safe_load(value)
     raw = compose_config(args.model, keys)
     raw["model"]["load_format"] = "dummy"
     engine = Engine(engine_config_from_dict(raw), RankInfo(0, 1, 0, "127.0.0.1", 0, "single"))

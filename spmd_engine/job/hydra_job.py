@@ -25,7 +25,7 @@ from spmd_engine.distributed import RankInfo, all_reduce_min, init_process_group
 from spmd_engine.engine import agreed
 from spmd_engine.faults.error_line import error_line, report_error, write_error_file
 from spmd_engine.faults.injection import FaultInjector
-from spmd_engine.job.cpu_threads import apply_cpu_threads
+from spmd_engine.cpu_threads import apply_cpu_threads
 from spmd_engine.job.dispatch import DISPATCH_POLL_S, ChunkBoard, ClaimedRequests, Dispatcher, RowPoster
 from spmd_engine.job.feed import RequestFeed, chunk_size, source_requests
 from spmd_engine.job.generation_defaults import job_sampling

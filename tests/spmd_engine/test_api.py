@@ -62,12 +62,12 @@ def test_every_rank_returns_the_same_outputs(tmp_path):
     assert error["finish_reason"] == "error" and error["error"] == "prompt is empty"
 
 
-def _tiny_llm(tmp_path, max_num_seqs: int = 2):
+def _tiny_llm(tmp_path, max_num_seqs: int = 2, **keys):
     from spmd_engine import LLM
 
     checkpoint = make_tiny_checkpoint(tmp_path / "tiny", arch="qwen3", max_position_embeddings=64)
     return LLM(model=str(checkpoint), device="cpu", block_size=4, num_kv_blocks=64, max_model_len=64,
-               max_num_seqs=max_num_seqs)
+               max_num_seqs=max_num_seqs, **keys)
 
 
 def test_stream_pulls_a_lazy_source_and_hands_every_row_to_the_callback(tmp_path):
@@ -121,3 +121,18 @@ def test_generate_and_the_hydra_job_both_run_through_stream(tmp_path, monkeypatc
     assert metrics["status"] == "ok" and calls == [False]  # the chat workload keeps no outputs
     rows = [json.loads(line) for line in (tmp_path / "job" / "outputs.jsonl").read_text().splitlines()]
     assert [row["index"] for row in rows] == [0, 1] and all(row["text"] is not None for row in rows)
+
+
+
+def test_cpu_threads_given_to_the_api_is_applied_and_null_leaves_the_process_alone(tmp_path):
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        _tiny_llm(tmp_path).close()  # cpu_threads null: the embedding program owns its threads
+        assert torch.get_num_threads() == 2
+        _tiny_llm(tmp_path, cpu_threads=1).close()
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

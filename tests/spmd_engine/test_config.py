@@ -251,13 +251,13 @@ def test_cpu_threads_takes_an_integer_or_null():
 @pytest.mark.parametrize("cores,ranks,threads", [(2, 1, 1), (2, 2, 1), (2, 4, 1), (16, 1, 15), (16, 4, 3), (17, 4, 4),
                                                  (16, 3, 5), (1, 1, 1)])
 def test_auto_cpu_threads_shares_all_cores_but_one_among_the_ranks_on_the_node(cores, ranks, threads):
-    from spmd_engine.job.cpu_threads import auto_cpu_threads
+    from spmd_engine.cpu_threads import auto_cpu_threads
 
     assert auto_cpu_threads(cores, ranks) == threads
 
 
 def test_cpu_threads_choice_key_then_omp_then_auto():
-    from spmd_engine.job.cpu_threads import choose_cpu_threads, ranks_on_node
+    from spmd_engine.cpu_threads import choose_cpu_threads, ranks_on_node
 
     assert choose_cpu_threads(3, 16, 2, {"OMP_NUM_THREADS": "1"}).threads == 3
     omp = choose_cpu_threads(None, 16, 2, {"OMP_NUM_THREADS": "1"})
