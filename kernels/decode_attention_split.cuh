@@ -121,8 +121,8 @@ __device__ __forceinline__ void merge_splits(const float* partial_out, const flo
 }
 
 /* counters: null, or the arrival counters (one per (sequence, KV head), zero between launches) by which the
-   last split to finish merges the splits itself (decode_attention.DECODE_FUSED_MERGE); `live` = the splits
-   that hold keys */
+   last split to finish merges the splits itself (what the engine runs; null: the splits' partials are left for
+   a second merge launch); `live` = the splits that hold keys */
 __device__ __forceinline__ void write_output(const float (&acc)[D / 16][4], float m0, float m1, float l0, float l1,
                                              float out_scale, u16* out, float* partial_out, float* partial_lse,
                                              int* counters, int live, int seq, int kv_head, int split, int num_splits,
