@@ -3,11 +3,12 @@
 A program owns one (sequence, KV head, split): the GROUP query heads that share the KV head are
 packed into one tile, so each K/V tile is loaded once for all of them. Long contexts are cut into
 NUM_SPLITS ranges whose partial (output, log-sum-exp) are merged; with one split the first kernel
-writes the output directly. Who merges (`fused_merge`, the same bits either way): the last split
-program of each (sequence, KV head) to finish, which counts arrivals on a persistent int32 counter
-and resets it (one launch: at batch 1 the separate merge was a ~2.7 us launch per layer), or a
-second kernel. Both merge through `_merge_partials`, whose order of operations is explicit
-(sequential over splits), so the tile shape and warp count of the merging kernel cannot change it.
+writes the output directly. The last split program of each (sequence, KV head) to finish merges them: it
+counts arrivals on a persistent int32 counter and resets it (one launch: at batch 1 a separate merge kernel
+was a ~2.7 us launch per layer, the `merge` rows of `python launch/bench/bench_attention.py`). It merges through `_merge_partials`, whose order of operations is explicit
+(sequential over splits), so the tile shape and warp count of the merging program cannot change it: the
+tests' second-launch merge (tests/helpers/split_oracles.py), written apart in the same order, must give
+the same bits from the partials the split kernel leaves with FUSED_MERGE off.
 The grid is (split, KV head, sequence), the sequence slowest: the GPU starts programs in grid order, so
 a batch ordered longest context first (the engine's, `executor/forward_batch.batch_order`) starts every
 program of its longest rows first and the short ones fill the tail. Sequence fastest, a KV head's programs
@@ -197,7 +198,9 @@ def decode_split_program(
     """One (sequence, KV head, split) of the split kernel: shared with the mixed-batch kernel
     (kernels/mixed_attention.py), so a decode row computes the same bits in either launch. `num_splits`
     is the split kernel's constexpr NUM_SPLITS (a graph bucket compiles its own) or the mixed kernel's
-    runtime int (one compiled kernel whatever the batch): only integer bounds follow from it."""
+    runtime int (one compiled kernel whatever the batch): only integer bounds follow from it. FUSED_MERGE
+    (with several splits) has the last split to arrive merge them; off, the partials stay in `partial_out` /
+    `partial_lse` for the tests' second-launch merge (tests/helpers/split_oracles.py)."""
     if KV_FP8:  # dequantization folded: q.(s_k k8) = s_k (q.k8), sum p (s_v v8) = s_v sum p v8
         scale_log2 = scale_log2 * tl.load(k_scale + kv_head)
     seq_len = tl.load(seq_lens + seq)
@@ -337,9 +340,9 @@ def _merge_partials(
 ):
     """Rows slot0 [R, 1] (split 0's slot; splits follow it) merged into [R, HEAD_DIM] float32, weighted
     by the splits' log-sum-exps. Why element-wise steps in split order, not tl.max/tl.sum over a splits
-    axis: a reduction's order follows the compiler's layout (tile shape, num_warps), and the fused merge
-    runs under the split kernel's warps, the second launch under its own; this order is the same in
-    both, so the two paths give the same bits. Loads are `.cg` (L2): never a stale L1 line of a partial
+    axis: a reduction's order follows the compiler's layout (tile shape, num_warps), and the merge runs
+    under the split kernel's warps; in this order the tests' second-launch merge, under its own warps,
+    gives the same bits. Loads are `.cg` (L2): never a stale L1 line of a partial
     another program stored. `num_splits` may stop at the last split that holds keys (the fused merge):
     a split past the sequence end has log-sum-exp -inf, weight exactly 0, and adds +0 to the sums,
     which leaves them as they are (the sums start at +0 and never become -0), so the bits are the same."""
@@ -362,26 +365,6 @@ def _merge_partials(
     return acc / tl.where(total == 0.0, 1.0, total)
 
 
-@triton.jit
-def _decode_merge_kernel(
-    partial_out, partial_lse, out, stride_o_seq, stride_o_head, num_q_heads,
-    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    pdl_prologue(USE_PDL)
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    dims = tl.arange(0, HEAD_DIM)
-    slot0 = (seq.to(tl.int64) * num_q_heads + head) * NUM_SPLITS + tl.zeros([1, 1], dtype=tl.int64)
-    merged = _merge_partials(
-        partial_out, partial_lse, slot0, tl.full([1, 1], True, dtype=tl.int1), dims, NUM_SPLITS, HEAD_DIM
-    )
-    tl.store(
-        out + seq.to(tl.int64) * stride_o_seq + head * stride_o_head + dims[None, :],
-        merged.to(out.dtype.element_ty),
-    )
-
-
 def paged_decode_attention(
     query: torch.Tensor,  # [B, Hq, D]
     k_cache: torch.Tensor,  # [N, bs, Hkv, D]
@@ -395,13 +378,11 @@ def paged_decode_attention(
     config: DecodeConfig | None = None,
     k_scale: torch.Tensor | None = None,  # [Hkv] float32, only with a float8_e4m3fn cache
     v_scale: torch.Tensor | None = None,
-    fused_merge: bool = True,  # False: a second merge launch, the same bits (the tests' oracle)
 ) -> torch.Tensor:
     """Attention of each sequence's single new token over its seq_len cached keys; returns [B, Hq, D].
 
-    With several splits `fused_merge` merges them in the split kernel (the last split of each
-    (sequence, KV head) to arrive; counters from `merge_counters`, allocated outside graph capture by
-    the first eager call) instead of a second launch."""
+    With several splits the last split of each (sequence, KV head) to arrive merges them (counters from
+    `merge_counters`, allocated outside graph capture by the first eager call)."""
     check_attention_inputs("paged_decode_attention", query, k_cache, v_cache)
     kv_fp8 = check_kv_scales("paged_decode_attention", k_cache, k_scale, v_scale)
     num_seqs, num_q_heads, head_dim = query.shape
@@ -418,8 +399,8 @@ def paged_decode_attention(
     num_splits = split_count("paged_decode_attention", num_splits, num_seqs, k_cache, block_tables, cfg)
     group = num_q_heads // num_kv_heads
     partial_out, partial_lse = _split_partials(query, out, num_splits)
-    fused = fused_merge and num_splits > 1
-    counters = merge_counters(query.device, num_seqs * num_kv_heads) if fused else seq_lens  # unread unfused
+    fused = num_splits > 1  # one split writes `out` itself
+    counters = merge_counters(query.device, num_seqs * num_kv_heads) if fused else seq_lens  # unread with one split
     _decode_split_kernel[(num_splits, num_kv_heads, num_seqs)](
         query, k_cache, v_cache, out, partial_out, partial_lse, counters, seq_lens, block_tables,
         scale * _LOG2_E,
@@ -433,8 +414,6 @@ def paged_decode_attention(
         FUSED_MERGE=fused, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl_launch(query.device),
     )
-    if num_splits > 1 and not fused:
-        _merge_splits(partial_out, partial_lse, out)
     return out
 
 
@@ -447,16 +426,6 @@ def _split_partials(query: torch.Tensor, out: torch.Tensor, num_splits: int) -> 
     partial_out = torch.empty(num_seqs, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
     partial_lse = torch.empty(num_seqs, num_q_heads, num_splits, dtype=torch.float32, device=query.device)
     return partial_out, partial_lse
-
-
-def _merge_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor) -> None:
-    """Combine the splits' partial outputs into `out` [B, Hq, D], weighted by their log-sum-exps."""
-    num_seqs, num_q_heads, num_splits, head_dim = partial_out.shape
-    _decode_merge_kernel[(num_seqs, num_q_heads)](
-        partial_out, partial_lse, out, out.stride(0), out.stride(1), num_q_heads,
-        NUM_SPLITS=num_splits, HEAD_DIM=head_dim, num_warps=1 if head_dim <= 64 else 2,
-        **pdl_launch(out.device),
-    )
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}

@@ -9,11 +9,12 @@ Design:
   weight rows are the MMA's long side): W is read exactly once whatever M is.
 - Split-K without float atomics: with `split_k > 1` program (n, s) writes its float32 partial sum
   to a workspace [split_k, M, N]; the splits are then added in the fixed order 0, 1, ..., the bias
-  added, and the sum rounded to the output dtype. Who adds them (the sum is the same bits either
-  way, `one_launch`): the last program of the N tile to finish (it counts arrivals on an
-  int32 counter per N tile, and resets it), saving the second launch that a decode step would pay
-  ~110 times; or a second, tiny launch. With `split_k == 1` (N tiles alone fill the GPU, e.g. the
-  LM head) one program loops over the whole K and writes the output directly.
+  added, and the sum rounded to the output dtype, by the last program of the N tile to finish (it
+  counts arrivals on an int32 counter per N tile, and resets it): no second launch, which a decode
+  step would pay ~110 times. With ONE_LAUNCH off the partials stay in the workspace for the tests'
+  second-launch sum (tests/helpers/split_oracles.py), which must give the same bits. With
+  `split_k == 1` (N tiles alone fill the GPU, e.g. the LM head) one program loops over the whole K and
+  writes the output directly.
 - Output: the activation dtype, or float32 (row-parallel partial sums before the TP all-reduce,
   float32 logits).
 - `gated`: x holds a SwiGLU's packed gate | up and the input is silu(gate) * up, computed while
@@ -45,7 +46,6 @@ from spmd_engine.kernels.silu_and_mul import silu_mul
 GEMV_MAX_M = 16  # the kernel's BLOCK_M: the largest M it takes (tl.dot needs a dim >= 16)
 TARGET_PROGRAMS = 264  # programs wanted per launch (2 per SM of an H200's 132): more splits below it
 MIN_K_PER_SPLIT = 256  # elements of K per split at the least (fewer: the partials cost more than they save)
-REDUCE_BLOCK = 256  # output columns per program of the split-sum pass
 # Split-K sums by the last program of each N tile. The arrival counters are one int32 per N tile per device,
 # shared by every call: GEMVs must not run concurrently on two streams of one device (the engine runs its
 # forward on one stream).
@@ -188,21 +188,6 @@ def _sum_splits(partial, offsets, mask, slab, SPLIT: tl.constexpr):
     return total
 
 
-@triton.jit(do_not_specialize=["M"])
-def _gemv_split_sum_kernel(
-    partial, bias, out, M, N, stride_om,
-    SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    pdl_prologue(USE_PDL)
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < N
-    acc = _sum_splits(partial, row * N + cols, mask, M.to(tl.int64) * N, SPLIT)
-    if HAS_BIAS:
-        acc += tl.load(bias + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out + row * stride_om + cols, acc.to(out.dtype.element_ty), mask=mask)
-
-
 def _checked_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       out_dtype: torch.dtype | None, gated: bool) -> tuple[torch.Tensor, torch.dtype]:
     """`gemv`'s operands checked (a clear ValueError, not a kernel reading out of bounds): x as rows
@@ -233,7 +218,6 @@ def gemv(
     bias: torch.Tensor | None = None,  # [N]
     out_dtype: torch.dtype | None = None,  # None: x.dtype; or torch.float32
     config: GemvConfig | None = None,  # None: gemv_config(N, K, element size); a bench passes others
-    one_launch: bool = True,  # False: the split sum by a second launch, the same bits (the tests' oracle)
     gated: bool = False,  # x is [..., 2K] = gate | up and the input is silu(gate) * up (a SwiGLU down_proj)
 ) -> torch.Tensor:
     """x @ weight^T (+ bias) accumulated in float32, rounded once to `out_dtype`; shape [..., N].
@@ -248,19 +232,13 @@ def gemv(
     partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     bias_arg = bias if bias is not None else weight
     n_tiles = triton.cdiv(n, cfg.block_n)
-    one_launch = one_launch and split > 1
-    counters = _split_counters(x.device, n_tiles) if one_launch else partial
+    counters = _split_counters(x.device, n_tiles) if split > 1 else partial  # unread with one split
     _gemv_kernel[(n_tiles, split)](
         x2, weight, bias_arg, out, partial, counters,
         m, n, k, x2.stride(0), weight.stride(0), out.stride(0), k_per_split,
-        BLOCK_M=GEMV_MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split, ONE_LAUNCH=one_launch,
+        BLOCK_M=GEMV_MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split, ONE_LAUNCH=split > 1,
         HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0,
         PRECISION="ieee" if x.dtype == torch.float32 else None, GATED=gated,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device),
     )
-    if split > 1 and not one_launch:
-        _gemv_split_sum_kernel[(m, triton.cdiv(n, REDUCE_BLOCK))](
-            partial, bias_arg, out, m, n, out.stride(0),
-            SPLIT=split, HAS_BIAS=bias is not None, BLOCK=REDUCE_BLOCK, num_warps=4, **pdl_launch(x.device),
-        )
     return out.view(*x.shape[:-1], n)

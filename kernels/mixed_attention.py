@@ -174,14 +174,13 @@ def plan_paged_attention(
     v_scale: torch.Tensor | None = None,
     decode_config: DecodeConfig | None = None,
     prefill_config: PrefillConfig | None = None,
-    fuse: bool = True,  # False: the decode and prefill kernels back to back, the same bits (the tests' oracle)
     share_partials: bool = True,
     decode_rows_elsewhere: bool = False,
 ) -> PagedAttentionPlan:
     """Validate one layer's tensors and plan the step's launches: the decode rows exactly as
     `paged_decode_attention(query[:num_decode], ...)` (same split count and config), the prompt chunks
-    exactly as `paged_prefill_attention` over the rest; one launch for both when `fuse` (and the two
-    configs share num_warps), else the two kernels back to back.
+    exactly as `paged_prefill_attention` over the rest; one launch for both where the two configs share
+    num_warps, else the two kernels back to back.
 
     `decode_rows_elsewhere`: the caller attends the first `num_decode` rows itself (a mixed step's decode rows
     on a CUDA decode kernel, models/layers/attention.py): the plan launches the prefill kernel over the prompt
@@ -212,16 +211,13 @@ def plan_paged_attention(
     pcfg = prefill_config or default_prefill_config(head_dim, query.device)
 
     num_splits, decode_meta, counters = 1, None, None
-    if decode_rows_elsewhere:
-        num_decode_launched, fuse = 0, False
-    else:
-        num_decode_launched = num_decode
+    num_decode_launched = 0 if decode_rows_elsewhere else num_decode
     if num_decode_launched:
         num_splits = split_count("paged_attention_plan", None, num_decode, k_cache, block_tables, dcfg)
         decode_meta = dict(BLOCK_H=decode_block_h(group), NUM_SPLITS=num_splits)
     prefill_grid = (math.ceil(max_query_len / pcfg.block_m), num_q_heads, num_prefill) if has_prefill else None
     mixed = decode = prefill = None
-    if num_decode_launched and has_prefill and fuse and dcfg.num_warps == pcfg.num_warps:
+    if num_decode_launched and has_prefill and dcfg.num_warps == pcfg.num_warps:
         num_q_tiles = prefill_grid[0]
         prefill_programs = num_q_tiles * num_q_heads * num_prefill
         grid = (prefill_programs + num_decode * num_kv_heads * num_splits,)

@@ -8,11 +8,13 @@ decode by split count, the basis of MIN_TOKENS_PER_SPLIT; `--kv-fp8` stores the 
 as float8 e4m3 with per-KV-head scales, the `kv_cache_dtype=fp8` path: GB/s then counts 1-byte K/V, and
 `decode-cuda` rows time the CUDA kernel of `cuda_fp8_decode` beside the Triton one).
 The `merge` rows time the decode's split merge both ways, replayed in a CUDA graph as the engine runs
-it: a second launch, or fused into the split kernel (`fused_merge`), and check their bits are equal.
+it: fused into the split kernel (the last split to arrive merges; what the engine runs), or by the tests'
+second-launch oracle (tests/helpers/split_oracles.py), and check their bits are equal.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import itertools
 import math
@@ -36,6 +38,7 @@ from spmd_engine.kernels.mixed_attention import plan_paged_attention
 from spmd_engine.kernels.pdl import pdl_launches
 from spmd_engine.kernels.prefill_attention import PrefillConfig, default_prefill_config, paged_prefill_attention
 from spmd_engine.kernels.reference import paged_attention_reference
+from tests.helpers.split_oracles import second_launch_reductions
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, DTYPE = 16, 8, 128, torch.bfloat16  # Qwen3-0.6B
 KV_FP8 = False  # --kv-fp8: float8_e4m3fn caches with per-KV-head scales
@@ -114,15 +117,20 @@ def bench_decode(batch: int, context: int, block_size: int, config: DecodeConfig
 
 
 def bench_decode_merge(batch: int, context: int, block_size: int) -> tuple[float, float, bool, int]:
-    """(two-launch us, fused us, same bits, splits): both merges of the split partials, each timed as
-    CUDA-graph replays (no host launch gaps, as in the engine's decode graphs)."""
+    """(two-launch us, fused us, same bits, splits): the engine's fused merge and the tests' second-launch
+    merge of the split partials, each timed as CUDA-graph replays (no host launch gaps, as in the engine's
+    decode graphs)."""
     q, kc, vc, _, lens, tables = paged_inputs(1, (context,) * batch, block_size)
     scale, scales = HEAD_DIM**-0.5, kv_scales()
     outs = {fused: torch.empty_like(q) for fused in (False, True)}
     times = {}
     for fused, out in outs.items():
-        run = functools.partial(paged_decode_attention, q, kc, vc, lens, tables, scale, out=out, fused_merge=fused,
-                                **scales)
+        attend = functools.partial(paged_decode_attention, q, kc, vc, lens, tables, scale, out=out, **scales)
+
+        def run(attend=attend, fused=fused):
+            with contextlib.nullcontext() if fused else second_launch_reductions():
+                attend()
+
         run()  # compile, allocate the merge counters outside the capture
         times[fused] = triton.testing.do_bench_cudagraph(run, rep=100, return_mode="median") * 1e3
     splits = split_count("bench_attention", None, batch, kc, tables, default_decode_config(HEAD_DIM, q.device, KV_FP8))
@@ -159,11 +167,11 @@ def host_us(fn, calls: int = 200) -> float:
 
 def bench_mixed(num_decodes: int, context: int, num_prompts: int, prompt_len: int, block_size: int,
                 layers: int = 28):
-    """A mixed step (issue #15): decodes first, then prompt chunks, at one layer's attention. Four ways:
+    """A mixed step (issue #15): decodes first, then prompt chunks, at one layer's attention. Three ways:
     `two`: the decode kernel on the decode rows + the prefill kernel on the chunks, each call validating
     and planning itself (the path before the per-step plan); `plan`: the step's plan (built once per
-    step, amortised over `layers` layers) and its one launch; `plan2`: the plan with the two kernels
-    back to back (mixed_attention.ONE_LAUNCH = False); `prefill`: every row through the prefill kernel.
+    step, amortised over `layers` layers) and its one launch, what the engine runs; `prefill`: every row
+    through the prefill kernel.
     Returns {way: (host us per call without sync, GPU us)} and the plan's rel error."""
     q_lens = (1,) * num_decodes + (prompt_len,) * num_prompts
     q, kc, vc, cu, lens, tables = paged_inputs(q_lens, (context,) * (num_decodes + num_prompts), block_size)
@@ -175,16 +183,13 @@ def bench_mixed(num_decodes: int, context: int, num_prompts: int, prompt_len: in
         paged_decode_attention(q[:d], kc, vc, lens[:d], tables[:d], scale, out=out[:d], **scales)
         paged_prefill_attention(q, kc, vc, *rest, scale, prompt_len, out=out, **scales)
 
-    def plan_for_step(fuse=True):
-        return plan_paged_attention(q, kc, vc, out, cu, lens, tables, d, prompt_len, fuse=fuse, **scales)
+    def plan_for_step():
+        return plan_paged_attention(q, kc, vc, out, cu, lens, tables, d, prompt_len, **scales)
 
-    step_plan, two_launch_plan = plan_for_step(), plan_for_step(fuse=False)
+    step_plan = plan_for_step()
 
     def planned():
         step_plan.launch(q, kc, vc, out, scale, **scales)
-
-    def planned_two():
-        two_launch_plan.launch(q, kc, vc, out, scale, **scales)
 
     def whole():
         paged_prefill_attention(q, kc, vc, cu, lens, tables, scale, prompt_len, out=out, **scales)
@@ -192,12 +197,10 @@ def bench_mixed(num_decodes: int, context: int, num_prompts: int, prompt_len: in
     planned()
     err = rel_error(out, paged_attention_reference(q, kc, vc, cu, lens, tables, scale, **scales))
     expected = out.clone()
-    for other in (two, planned_two):
-        other()
-        assert torch.equal(out, expected), "the plan's launch differs from the two-kernel path"
+    two()
+    assert torch.equal(out, expected), "the plan's launch differs from the two-kernel path"
     plan_us = host_us(plan_for_step, 50) / layers  # the first layer's planning, spread over the step
     return {"two": (host_us(two), median_ms(two) * 1e3), "plan": (host_us(planned) + plan_us, median_ms(planned) * 1e3),
-            "plan2": (host_us(planned_two) + plan_us, median_ms(planned_two) * 1e3),
             "prefill": (host_us(whole), median_ms(whole) * 1e3)}, err
 
 

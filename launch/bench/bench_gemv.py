@@ -4,7 +4,10 @@ For each weight shape and M in 1, 2, 4, 8, 16 both kernels run over enough disti
 (>= 256 MB, more than the L2 holds, as a decode step's 28 layers are) inside one CUDA graph; the
 replay is timed and divided by the copy count, so each figure is one matmul as the engine's decode
 graphs run it, launch gaps included. Printed: µs per matmul and the GB/s of W + x + y that it
-reaches, then per model the sum over one decode step (layers x 4 projections + the LM head).
+reaches, then per model the sum over one decode step (layers x 4 projections + the LM head). `gemv` is
+the one-launch kernel the engine runs (the last program of an N tile sums the split-K partials); `gemv
+2-launch` sums them by the tests' second-launch oracle (tests/helpers/split_oracles.py), the cost of a
+second launch.
 Pick `SMALL_BATCH_MAX_M` (models/layers/linear.py) from the last M where the GEMV still wins.
 
 `--sweep` also times a few block choices per shape at M=1 and M=16 and prints the best as
@@ -24,6 +27,7 @@ or `python launch/bench/bench_gemv.py --in-situ [--context 1024] [--rounds 2]` (
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import itertools
 import statistics
@@ -37,6 +41,7 @@ from bench_fused_ops import graph_ms
 from spmd_engine.kernels.gemv import GEMV_TABLE, GemvConfig, gemv, gemv_config
 from spmd_engine.kernels.pdl import pdl_launches
 from tests.helpers.decode_step import DecodeStep
+from tests.helpers.split_oracles import second_launch_reductions
 
 # name -> (layers, hidden, q heads x head_dim, kv heads x head_dim, intermediate, vocab)
 MODELS = {"qwen3": (28, 1024, 2048, 1024, 3072, 151936), "qwen3_8b": (36, 4096, 4096, 1024, 12288, 151936)}
@@ -71,7 +76,7 @@ class Case:
         return 2 * (self.n * self.k + m * self.k + m * self.n)
 
     def time(self, m: int, kind: str, config: GemvConfig | None = None) -> float:
-        """kind: cublas | gemv | gemv2 (split-K summed by a second launch)."""
+        """kind: cublas | gemv | gemv2 (split-K summed by the tests' second launch)."""
         x = self.xs[m]
         if kind == "cublas":
             def run():
@@ -79,14 +84,15 @@ class Case:
                     torch.mm(x, w.t())
         else:
             def run():
-                for w in self.weights:
-                    gemv(x, w, config=config, one_launch=kind == "gemv")
+                with contextlib.nullcontext() if kind == "gemv" else second_launch_reductions():
+                    for w in self.weights:
+                        gemv(x, w, config=config)
         return graph_us(run, len(self.weights))
 
 
 def compare(name: str) -> None:
     print(f"\n{name} ({DTYPE}): µs per matmul (GB/s of W + x + y)")
-    print("(gemv 2-launch: split-K summed by a second kernel, SPLIT_K_ONE_LAUNCH=False)")
+    print("(gemv: the engine's one launch; gemv 2-launch: split-K summed by a second kernel, the tests' oracle)")
     print(f"{'proj':>8} {'N':>7} {'K':>6} {'M':>3} {'cuBLAS':>15} {'gemv':>15} {'gemv 2-launch':>15} "
           f"{'speed-up':>9}  config")
     totals = {m: [0.0, 0.0, 0.0] for m in BATCHES}

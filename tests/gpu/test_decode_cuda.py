@@ -99,10 +99,11 @@ def test_cuda_decode_refuses_what_it_does_not_take():
 
 
 def test_cuda_decode_merges_alike_in_the_kernel_and_by_a_second_launch(monkeypatch):
-    """The last split to finish merges or (no arrival counters: a null pointer) the Triton merge kernel does after
-    the launch: the same result within rounding, and the arrival counters are back at zero after every launch
-    (graph replays reuse them)."""
+    """The last split to finish merges or (no arrival counters: a null pointer) the tests' Triton merge kernel
+    (tests/helpers/split_oracles.py) does after the launch: the same result within rounding, and the arrival
+    counters are back at zero after every launch (graph replays reuse them)."""
     from spmd_engine.kernels import decode_attention as da
+    from tests.helpers.split_oracles import merge_splits
 
     cuda_decode = _cuda_decode()
     query, k, v, seq_lens, tables = _inputs(LENGTHS, 16, 8, 16)
@@ -114,7 +115,7 @@ def test_cuda_decode_merges_alike_in_the_kernel_and_by_a_second_launch(monkeypat
     monkeypatch.setattr(da, "_split_partials", lambda *args: partials.append(split_partials(*args)) or partials[-1])
     monkeypatch.setattr(da, "merge_counters", lambda device, count=0: 0)  # null: the splits leave their partials
     second = cuda_decode.paged_decode_attention_cuda(query, k, v, seq_lens, tables, 0.088, num_splits=5)
-    da._merge_splits(*partials[-1], second)
+    merge_splits(*partials[-1], second)
     assert _rel(fused, second) < 1e-2 and (fused.float() - second.float()).abs().max().item() < 2e-2
 
 

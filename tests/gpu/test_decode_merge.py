@@ -1,6 +1,7 @@
 """The fused split merge of the decode attention on CUDA: the last split program of each (sequence, KV
-head) merges the partials (an acq_rel arrival counter) with the same bits as the second launch, under
-thousands of concurrent programs, back-to-back launches and CUDA-graph replays with new lengths."""
+head) merges the partials (an acq_rel arrival counter) with the same bits as the oracle's second launch
+(tests/helpers/split_oracles.py), under thousands of concurrent programs, back-to-back launches and
+CUDA-graph replays with new lengths."""
 from __future__ import annotations
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 
 from spmd_engine.kernels.decode_attention import MAX_SPLITS, merge_counters, paged_decode_attention
 from tests.gpu.engine_setup import GPU
+from tests.helpers.split_oracles import second_launch_reductions
 from tests.kernels.paged_batch import make_paged_batch, rel_error
 
 pytestmark = GPU
@@ -30,15 +32,23 @@ def _decode(batch, seq_lens, out, **kwargs):
                                   batch.scale, out=out, k_scale=batch.k_scale, v_scale=batch.v_scale, **kwargs)
 
 
+def _second_launch(batch, seq_lens, **kwargs):
+    """The split kernel's partials merged by the oracle's second launch."""
+    with second_launch_reductions() as second:
+        out = _decode(batch, seq_lens, torch.empty_like(batch.query), **kwargs)
+    assert second.names == ["_decode_split_kernel"]
+    return out
+
+
 @pytest.mark.parametrize("seq_lens,block_size,hq,hkv,head_dim,dtype,num_splits,kv_fp8", CASES)
 def test_fused_merge_equals_the_second_launch(seq_lens, block_size, hq, hkv, head_dim, dtype, num_splits, kv_fp8):
     """200 fused launches back to back (no sync between: each must see the counters the previous one
     reset), every one bitwise the two-launch result."""
     batch = make_paged_batch([1] * len(seq_lens), seq_lens, block_size, hq, hkv, head_dim, dtype, kv_fp8=kv_fp8)
-    two = _decode(batch, batch.seq_lens, torch.empty_like(batch.query), num_splits=num_splits, fused_merge=False)
+    two = _second_launch(batch, batch.seq_lens, num_splits=num_splits)
     assert rel_error(two, batch.reference()) < (2e-3 if dtype == FP16 else 1e-2)
     out = torch.empty_like(batch.query)
-    runs = [_decode(batch, batch.seq_lens, out, num_splits=num_splits, fused_merge=True).clone() for _ in range(200)]
+    runs = [_decode(batch, batch.seq_lens, out, num_splits=num_splits).clone() for _ in range(200)]
     torch.cuda.synchronize()
     mismatches = [i for i, run in enumerate(runs) if not torch.equal(run, two)]
     assert not mismatches, f"{len(mismatches)} of 200 fused launches differ from the second launch, first {mismatches[0]}"
@@ -54,7 +64,7 @@ def test_fused_merge_in_a_cuda_graph_follows_new_seq_lens(num_seqs, num_splits):
     out = torch.empty_like(batch.query)
 
     def step():
-        _decode(batch, seq_lens, out, num_splits=num_splits, fused_merge=True)
+        _decode(batch, seq_lens, out, num_splits=num_splits)
 
     step()  # compile and allocate the counters outside the capture
     torch.cuda.synchronize()
@@ -65,7 +75,7 @@ def test_fused_merge_in_a_cuda_graph_follows_new_seq_lens(num_seqs, num_splits):
     for lengths in ([2048] * num_seqs, [1 + 31 * i for i in rows], [0 if i % 2 else 700 for i in rows],
                     [2048 - 17 * i for i in rows], [5] * num_seqs):
         seq_lens.copy_(torch.tensor(lengths, dtype=torch.int32))
-        expected = _decode(batch, seq_lens, torch.empty_like(out), num_splits=num_splits, fused_merge=False)
+        expected = _second_launch(batch, seq_lens, num_splits=num_splits)
         for replay in range(4):
             out.fill_(float("nan"))
             graph.replay()

@@ -8,6 +8,7 @@ from spmd_engine.models.layers.embedding import ParallelLMHead
 from spmd_engine.models.layers.linear import matmul_fp32_out
 from spmd_engine.models.parallel import TensorParallel
 from tests.gpu.engine_setup import GPU
+from tests.helpers.split_oracles import second_launch_reductions
 
 pytestmark = GPU
 
@@ -37,16 +38,19 @@ def test_matches_cublas_and_rows_do_not_depend_on_m(n, k, dtype):
         assert torch.equal(gemv(x[:m], w, b), full[:m]), m
         assert torch.equal(gemv(x[:m], w, b, out_dtype=torch.float32), full32[:m]), m
     assert torch.equal(gemv(x, w, b), full)  # reruns too
-    assert torch.equal(gemv(x, w, b, one_launch=False), full)  # the split sum by a second launch: same bits
+    with second_launch_reductions():  # the split sum by the oracle's second launch: same bits
+        assert torch.equal(gemv(x, w, b), full)
 
 
 def test_split_sums_by_the_last_program_are_race_free():
     """Many calls of split-K shapes back to back (each N tile's last program sums the partials and
-    resets its counter): every result is the same bits as the two-launch sum."""
+    resets its counter): every result is the same bits as the oracle's two-launch sum."""
     for n, k in [(1024, 3072), (4096, 1024)]:
         x, w, b = operands(n, k, torch.bfloat16, rows=7, seed=n)
-        expected = gemv(x, w, b, out_dtype=torch.float32, one_launch=False)
-        outs = [gemv(x, w, b, out_dtype=torch.float32, one_launch=True) for _ in range(200)]
+        with second_launch_reductions() as second:
+            expected = gemv(x, w, b, out_dtype=torch.float32)
+        assert second.names == ["_gemv_kernel"], "a split-K shape"
+        outs = [gemv(x, w, b, out_dtype=torch.float32) for _ in range(200)]
         assert all(torch.equal(o, expected) for o in outs)
 
 

@@ -2,6 +2,7 @@
 batch, bit for bit the decode-kernel + prefill-kernel path, and no new kernel variant as the batch
 composition changes (issue #15)."""
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ import torch
 from spmd_engine.kernels import mixed_attention
 from spmd_engine.kernels.decode_attention import default_decode_config, paged_decode_attention
 from spmd_engine.kernels.mixed_attention import plan_paged_attention
-from spmd_engine.kernels.prefill_attention import paged_prefill_attention
+from spmd_engine.kernels.prefill_attention import default_prefill_config, paged_prefill_attention
 from tests.gpu.engine_setup import GPU
 from tests.kernels.paged_batch import make_paged_batch
 
@@ -61,8 +62,7 @@ def test_one_plan_over_several_layers_is_bitwise_the_two_kernel_path(num_decode,
         if plan is None:
             plan = plan_paged_attention(current.query, current.k_cache, current.v_cache, out, current.cu_seqlens_q,
                                         current.seq_lens, current.block_tables, num_decode, current.max_query_len,
-                                        k_scale=current.k_scale, v_scale=current.v_scale, decode_config=config,
-                                        fuse=True)
+                                        k_scale=current.k_scale, v_scale=current.v_scale, decode_config=config)
             assert plan.mixed is not None
         plan.launch(current.query, current.k_cache, current.v_cache, out, current.scale, current.k_scale,
                     current.v_scale)
@@ -78,7 +78,7 @@ def test_fp8_cache_default_tiles_take_two_launches_bitwise(num_decode, context, 
     out = torch.full_like(batch.query, float("nan"))
     plan = plan_paged_attention(batch.query, batch.k_cache, batch.v_cache, out, batch.cu_seqlens_q, batch.seq_lens,
                                 batch.block_tables, num_decode, batch.max_query_len, k_scale=batch.k_scale,
-                                v_scale=batch.v_scale, fuse=True)
+                                v_scale=batch.v_scale)
     assert plan.mixed is None and plan.decode is not None and plan.prefill is not None
     plan.launch(batch.query, batch.k_cache, batch.v_cache, out, batch.scale, batch.k_scale, batch.v_scale)
     assert torch.equal(out.view(torch.int16), two_kernel_path(batch, num_decode).view(torch.int16))
@@ -88,18 +88,23 @@ def test_fp8_cache_default_tiles_take_two_launches_bitwise(num_decode, context, 
 def test_batch_composition_compiles_no_new_variant(fuse):
     """Decode counts and prompt lengths of any alignment reuse the one compiled mixed kernel (pointers
     and data-dependent ints, the decode split count among them, are never specialised on the composition:
-    a variant per split count compiled in the first mixed steps of a job, 0.4 s each); in two launches,
-    the one compiled runtime-count decode kernel."""
+    a variant per split count compiled in the first mixed steps of a job, 0.4 s each); in two launches (a
+    decode tile whose num_warps differ from the prefill tile's), the one compiled runtime-count decode kernel."""
     kernel = mixed_attention._mixed_paged_attention_kernel if fuse else mixed_attention._decode_any_splits_kernel
+    config = default_decode_config(D, torch.device("cuda"))
+    if not fuse:
+        config = dataclasses.replace(config, num_warps=2 * default_prefill_config(D, torch.device("cuda")).num_warps)
     sizes, splits = [], set()
     for num_decode in (*range(100, 117), 1, 2, 3, 5, 8, 13, 21, 34, 55):  # 1 to 64 splits at Hkv=8 on an H200
         # decode contexts < 2000: the block-table width (an int stride Triton specialises) stays the same
         batch = mixed_batch(num_decode, 100, [(num_decode + 3, 2000), (17, 17)], 16, seed=num_decode, spread=200)
         out = torch.empty_like(batch.query)
         plan = plan_paged_attention(batch.query, batch.k_cache, batch.v_cache, out, batch.cu_seqlens_q,
-                                    batch.seq_lens, batch.block_tables, num_decode, batch.max_query_len, fuse=fuse)
+                                    batch.seq_lens, batch.block_tables, num_decode, batch.max_query_len,
+                                    decode_config=config)
+        assert (plan.mixed is not None) == fuse
         plan.launch(batch.query, batch.k_cache, batch.v_cache, out, batch.scale)
-        assert torch.equal(out, two_kernel_path(batch, num_decode))
+        assert torch.equal(out, two_kernel_path(batch, num_decode, config))
         sizes.append(len(kernel.device_caches[torch.cuda.current_device()][0]))
         splits.add(plan.partial_shape[2])
     assert len(splits) > 3, splits

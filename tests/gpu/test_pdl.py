@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spmd_engine.kernels import decode_attention, gemv, pdl
+from spmd_engine.kernels import pdl
 from tests.gpu.engine_setup import GPU, PROMPTS, make_llm, tiny_bf16_checkpoint
 from tests.helpers.decode_step import DecodeStep
 from tests.helpers.graph_capture import capture
+from tests.helpers.split_oracles import second_launch_reductions
 
 HOPPER = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                             reason="PDL needs compute capability 9.0+")
@@ -54,13 +55,13 @@ def test_pdl_runs_on_this_gpu():
 
 
 @pytest.mark.parametrize("batch", [1, 64])
-@pytest.mark.parametrize("one_launch", [True, False])  # split-K sums and split merges fused, or second launches
-def test_decode_step_kernels_same_bits(batch, one_launch, monkeypatch):
+@pytest.mark.parametrize("one_launch", [True, False])  # splits reduced in the split kernels, or by second launches
+def test_decode_step_kernels_same_bits(batch, one_launch):
     """The benches' Qwen3-0.6B-shaped decode step (tests/helpers/decode_step.py): RMSNorm, GEMV, q/k norm +
     rotary + KV store, split-KV decode attention, the LM head; at 64 rows cuBLAS matmuls and silu_and_mul in
-    between."""
-    monkeypatch.setattr(gemv, "SPLIT_K_ONE_LAUNCH", one_launch)
-    monkeypatch.setattr(decode_attention, "DECODE_FUSED_MERGE", one_launch)
+    between. `one_launch` False: the split-K sums and split merges by the oracle's second launches
+    (tests/helpers/split_oracles.py), chained to the split kernels by PDL, and the same bits as the engine's
+    one-launch step."""
     # 4 layers: every kernel of a layer (28 would only take longer); 3 splits of the decode attention at batch 1
     step = DecodeStep(batch, context=300, layers=4)
 
@@ -69,15 +70,27 @@ def test_decode_step_kernels_same_bits(batch, one_launch, monkeypatch):
         return [step.logits]
 
     with torch.inference_mode():
-        assert_all_equal(run_both_ways(run))
+        if one_launch:
+            assert_all_equal(run_both_ways(run))
+            return
+        engine_bits = [t.clone() for t in run()]
+        with second_launch_reductions() as second:
+            results = run_both_ways(run)
+        assert "_decode_split_kernel" in second.names and ("_gemv_kernel" in second.names) == (batch == 1)
+        assert_all_equal({"one launch, PDL off": engine_bits, **results})
 
 
 @pytest.mark.parametrize("fuse", [True, False])
 def test_mixed_step_attention_same_bits(fuse):
-    """The attention plan of a mixed step (decode rows + prompt chunks): one launch, or decode + merge +
-    prefill launches; and the store of the step's keys before it."""
+    """The attention plan of a mixed step (decode rows + prompt chunks): one launch, or (a decode tile whose
+    num_warps differ from the prefill tile's) the decode and prefill kernels back to back; and the store of
+    the step's keys before it."""
+    import dataclasses
+
+    from spmd_engine.kernels.decode_attention import default_decode_config
     from spmd_engine.kernels.kv_store import store_kv
     from spmd_engine.kernels.mixed_attention import plan_paged_attention
+    from spmd_engine.kernels.prefill_attention import default_prefill_config
     from tests.kernels.paged_batch import make_paged_batch
 
     num_decode = 4
@@ -85,13 +98,18 @@ def test_mixed_step_attention_same_bits(fuse):
                              torch.bfloat16, seed=3)
     k_new = torch.randn(batch.query.shape[0], 8, 128, device="cuda", dtype=torch.bfloat16)
     slots = torch.randperm(batch.k_cache.shape[0] * 16, device="cuda")[:batch.query.shape[0]]
+    cuda = torch.device("cuda")
+    config = default_decode_config(128, cuda)
+    if not fuse:
+        config = dataclasses.replace(config, num_warps=2 * default_prefill_config(128, cuda).num_warps)
 
     def run():
         store_kv(k_new, k_new, batch.k_cache, batch.v_cache, slots)
         out = torch.empty_like(batch.query)
         plan = plan_paged_attention(batch.query, batch.k_cache, batch.v_cache, out, batch.cu_seqlens_q,
-                                    batch.seq_lens, batch.block_tables, num_decode, batch.max_query_len, fuse=fuse,
-                                    share_partials=False)
+                                    batch.seq_lens, batch.block_tables, num_decode, batch.max_query_len,
+                                    decode_config=config, share_partials=False)
+        assert (plan.mixed is not None) == fuse
         return [plan.launch(batch.query, batch.k_cache, batch.v_cache, out, batch.scale)]
 
     assert_all_equal(run_both_ways(run))

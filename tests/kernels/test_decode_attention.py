@@ -13,6 +13,7 @@ from spmd_engine.kernels.decode_attention import (
 )
 from spmd_engine.kernels.attention_support import supports_shape as supports
 from spmd_engine.kernels.reference import paged_attention_reference
+from tests.helpers.split_oracles import second_launch_reductions
 from tests.kernels.paged_batch import DEVICE, ON_GPU, gpu_case, make_paged_batch, rel_error
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # triton interpreter noise
@@ -222,36 +223,44 @@ def nan_partials(monkeypatch):
     monkeypatch.setattr(decode_module, "_split_partials", poisoned)
 
 
+def _second_launch(batch, **kwargs):
+    """The split kernel's partials merged by the oracle's second launch (tests/helpers/split_oracles.py)."""
+    with second_launch_reductions() as second:
+        out = _decode(batch, torch.empty_like(batch.query), **kwargs).clone()
+    assert second.names == ["_decode_split_kernel"], "the split partials must be merged by the oracle"
+    return out
+
+
 @pytest.mark.parametrize("seq_lens,block_size,hq,hkv,head_dim,dtype,num_splits,kv_fp8", MERGE_CASES)
 def test_fused_merge_equals_the_second_launch(seq_lens, block_size, hq, hkv, head_dim, dtype, num_splits, kv_fp8,
                                                nan_partials):
-    """The last split program of each (sequence, KV head) merges the partials in the merge kernel's
-    order (same bits), leaves the counters at zero, and does so again on the next call."""
+    """The last split program of each (sequence, KV head) merges the partials in the order of the oracle's
+    merge kernel (same bits), leaves the counters at zero, and does so again on the next call."""
     batch = make_paged_batch([1] * len(seq_lens), seq_lens, block_size, hq, hkv, head_dim, dtype, kv_fp8=kv_fp8)
-    two = _decode(batch, torch.empty_like(batch.query), num_splits=num_splits, fused_merge=False).clone()
+    two = _second_launch(batch, num_splits=num_splits)
     assert rel_error(two, batch.reference()) < (1e-5 if dtype == torch.float32 else 1e-2)
     out = torch.empty_like(batch.query)
     for _ in range(2):  # a counter left non-zero would skip the next call's merge (NaN rows)
-        assert torch.equal(_decode(batch, out, num_splits=num_splits, fused_merge=True), two)
+        assert torch.equal(_decode(batch, out, num_splits=num_splits), two)
         assert not merge_counters(batch.query.device).any()
     # new lengths through the same tensors (as a graph replay sees them): still the second launch's bits
     batch.seq_lens.copy_(torch.tensor([max(0, n - 37 * i) for i, n in enumerate(seq_lens)], dtype=torch.int32))
-    two = _decode(batch, torch.empty_like(batch.query), num_splits=num_splits, fused_merge=False).clone()
-    assert torch.equal(_decode(batch, out, num_splits=num_splits, fused_merge=True), two)
+    two = _second_launch(batch, num_splits=num_splits)
+    assert torch.equal(_decode(batch, out, num_splits=num_splits), two)
     assert not merge_counters(batch.query.device).any()
 
 
 def test_default_merges_without_a_second_launch(monkeypatch, nan_partials):
     batch = make_paged_batch([1, 1], [90, 40], 16, 4, 2, 16, torch.float32, seed=5)
-    two = _decode(batch, torch.empty_like(batch.query), num_splits=3, fused_merge=False).clone()
-
-    def no_second_launch(*args):
-        raise AssertionError("the merge kernel was launched")
-
-    monkeypatch.setattr(decode_module, "_merge_splits", no_second_launch)
+    two = _second_launch(batch, num_splits=3)
+    launches = []
+    kernel_type = type(decode_module._decode_split_kernel)
+    getitem = kernel_type.__getitem__
+    monkeypatch.setattr(kernel_type, "__getitem__", lambda k, grid: launches.append(k.fn.__name__) or getitem(k, grid))
     assert torch.equal(_decode(batch, torch.empty_like(batch.query), num_splits=3), two)
+    assert launches == ["_decode_split_kernel"]
     # one split: the split kernel writes the output itself, no counters involved
-    one = _decode(batch, torch.empty_like(batch.query), num_splits=1, fused_merge=True)
+    one = _decode(batch, torch.empty_like(batch.query), num_splits=1)
     assert rel_error(one, batch.reference()) < 1e-5
 
 

@@ -6,6 +6,7 @@ from spmd_engine.kernels import gemv as gemv_module
 from spmd_engine.kernels.gemv import GEMV_MAX_M, GEMV_TABLE, GemvConfig, gemv, gemv_config
 from spmd_engine.kernels.reference import linear_reference
 from spmd_engine.kernels.silu_and_mul import silu_and_mul
+from tests.helpers.split_oracles import second_launch_reductions
 from tests.kernels.paged_batch import DEVICE
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # triton interpreter noise
@@ -57,14 +58,18 @@ def test_rows_do_not_depend_on_the_batch_size(config):
 
 @pytest.mark.parametrize("config", [SPLIT3, SPLIT3_RAGGED], ids=["split3", "split3-ragged-k"])
 def test_split_sum_in_one_launch_equals_the_second_launch(config):
-    """The last program of an N tile adds the splits in the same order as the separate pass, and
-    leaves the arrival counters at zero for the next call."""
+    """The last program of an N tile adds the splits in the same order as the oracle's separate pass
+    (tests/helpers/split_oracles.py), and leaves the arrival counters at zero for the next call."""
     x, w, b = operands(3, 40, 80, torch.float16, seed=4, bias=True)
-    one = gemv(x, w, b, out_dtype=torch.float32, config=config, one_launch=True)
+    one = gemv(x, w, b, out_dtype=torch.float32, config=config)
     assert not gemv_module._COUNTERS[x.device].any()
-    two = gemv(x, w, b, out_dtype=torch.float32, config=config, one_launch=False)
+    with second_launch_reductions() as second:
+        two = gemv(x, w, b, out_dtype=torch.float32, config=config)
+        two_half = gemv(x, w, b, config=config)
+    assert second.names == ["_gemv_kernel"] * 2, "the split-K partials must be summed by the oracle"
     assert torch.equal(one, two)
-    assert torch.equal(gemv(x, w, b, config=config, one_launch=True), two.half())
+    assert torch.equal(gemv(x, w, b, config=config), two_half)
+    assert torch.equal(two_half, two.half())
     torch.testing.assert_close(one, linear_reference(x, w, b, torch.float32), atol=1e-5, rtol=1e-5)
 
 

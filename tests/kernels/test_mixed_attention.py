@@ -30,6 +30,17 @@ def splitting_config(head_dim: int) -> DecodeConfig:
     return dataclasses.replace(default_decode_config(head_dim, DEVICE), programs_per_sm=64, min_tokens_per_split=64)
 
 
+def apart_from_prefill(config: DecodeConfig | None, head_dim: int, fp8: bool) -> DecodeConfig:
+    """`config` (or the device's) with num_warps other than the prefill tile's: the plan then launches the
+    decode and prefill kernels back to back (the engine's path where the tiles differ, e.g. an fp8 cache's
+    one-warp decode tile on the GPU)."""
+    config = config or default_decode_config(head_dim, DEVICE, fp8)
+    prefill_warps = default_prefill_config(head_dim, DEVICE).num_warps
+    if config.num_warps != prefill_warps:
+        return config
+    return dataclasses.replace(config, num_warps=2 * prefill_warps)
+
+
 def two_kernel_path(batch, num_decode: int, decode_config=None) -> torch.Tensor:
     """The engine's path before the plan: decode kernel on the decode slice, prefill kernel on the rest."""
     out = torch.full_like(batch.query, float("nan"))
@@ -45,11 +56,11 @@ def two_kernel_path(batch, num_decode: int, decode_config=None) -> torch.Tensor:
     return out
 
 
-def planned(batch, num_decode: int, decode_config=None, fuse=True):
+def planned(batch, num_decode: int, decode_config=None):
     out = torch.full_like(batch.query, float("nan"))
     plan = plan_paged_attention(batch.query, batch.k_cache, batch.v_cache, out, batch.cu_seqlens_q, batch.seq_lens,
                                 batch.block_tables, num_decode, batch.max_query_len, k_scale=batch.k_scale,
-                                v_scale=batch.v_scale, decode_config=decode_config, fuse=fuse)
+                                v_scale=batch.v_scale, decode_config=decode_config)
     return plan, out
 
 
@@ -80,8 +91,10 @@ def test_plan_is_bitwise_the_two_kernel_path(decode_lens, prompts, block_size, h
                              kv_fp8=fp8)
     n = len(decode_lens)
     config = splitting_config(head_dim) if splitting else None
+    if not fuse:  # a decode tile that cannot share the prefill tile's launch
+        config = apart_from_prefill(config, head_dim, fp8)
     expected = two_kernel_path(batch, n, config)
-    plan, out = planned(batch, n, config, fuse)
+    plan, out = planned(batch, n, config)
     if splitting:
         assert plan.partial_shape[2] > 1, "the case must exercise the split partials and their merge"
     # one launch only where the two tiles share num_warps (on an H200, not an fp8 cache's one-warp decode tile)

@@ -144,15 +144,23 @@ def record_triton_launches(monkeypatch) -> list[str]:
 @pytest.mark.parametrize("one_launch", [True, False])
 def test_mixed_step_is_planned_once_and_launched_once_per_layer(monkeypatch, one_launch):
     """Every layer of a mixed step reuses the plan the first one built (checks, split count, grids
-    computed once per step) and launches one kernel (or, planned with `fuse=False`, the decode and prefill
-    kernels); each layer's output has the bits of the decode-kernel + prefill-kernel path."""
+    computed once per step) and launches one kernel (or, with a decode tile whose num_warps differ from the
+    prefill tile's, the decode and prefill kernels); each layer's output has the bits of the decode-kernel +
+    prefill-kernel path."""
+    import dataclasses
+
     from spmd_engine.kernels import mixed_attention
+    from spmd_engine.kernels.decode_attention import default_decode_config
+    from spmd_engine.kernels.prefill_attention import default_prefill_config
 
     layers, attn = mixed_step_layers(3, seed=10)
     plans, launches = [], record_triton_launches(monkeypatch)
     build = mixed_attention.plan_paged_attention
+    cpu = torch.device("cpu")
+    apart = dataclasses.replace(default_decode_config(D, cpu), num_warps=2 * default_prefill_config(D, cpu).num_warps)
+    tiles = {} if one_launch else {"decode_config": apart}  # other warps, the same bits under the interpreter
     monkeypatch.setattr(mixed_attention, "plan_paged_attention",
-                        lambda *a, **k: plans.append(build(*a, **k, fuse=one_launch)) or plans[-1])
+                        lambda *a, **k: plans.append(build(*a, **k, **tiles)) or plans[-1])
     for i, layer in enumerate(layers):
         q, k, v = qkv(sum(n for _, n in MIXED_STEP), seed=20 + i)
         out = layer(q, k, v, attn)
