@@ -5,20 +5,21 @@ packed into one tile, so each K/V tile is loaded once for all of them. Long cont
 NUM_SPLITS ranges whose partial (output, log-sum-exp) are merged; with one split the first kernel
 writes the output directly. The last split program of each (sequence, KV head) to finish merges them: it
 counts arrivals on a persistent int32 counter and resets it (one launch: at batch 1 a separate merge kernel
-was a ~2.7 us launch per layer, the `merge` rows of `python launch/bench/bench_attention.py`). It merges through `_merge_partials`, whose order of operations is explicit
-(sequential over splits), so the tile shape and warp count of the merging program cannot change it: the
-tests' second-launch merge (tests/helpers/split_oracles.py), written apart in the same order, must give
-the same bits from the partials the split kernel leaves with FUSED_MERGE off.
+was a ~2.7 us launch per layer, the `merge` rows of `python launch/bench/bench_attention.py`). It merges
+through `_merge_partials`, whose order of operations is explicit (sequential over splits), so the tile
+shape and warp count of the merging program cannot change it: the tests' second-launch merge
+(tests/helpers/split_oracles.py), written apart in the same order, must give the same bits from the
+partials the split kernel leaves with FUSED_MERGE off.
 The grid is (split, KV head, sequence), the sequence slowest: the GPU starts programs in grid order, so
 a batch ordered longest context first (the engine's, `executor/forward_batch.batch_order`) starts every
 program of its longest rows first and the short ones fill the tail. Sequence fastest, a KV head's programs
 all started before the next head's, and the last head's long rows ran on alone (H200, 129 rows of 200..2000
 keys, one split: 162.8 -> 152.7 us in bf16, 155.8 -> 127.1 us with an fp8 cache;
 `python launch/bench/bench_attention.py`). The grid and NUM_SPLITS come only from tensor shapes and each
-split's range is computed on the device from seq_lens, so the launch is CUDA-graph safe; a split past a sequence's end writes a
-neutral partial (lse = -inf, output 0). A float8_e4m3fn cache is upcast on load (exact into
-fp16/bf16/fp32); its per-KV-head scales are folded into the score scale (K) and the split's output
-(V), so the inner loop does no extra multiplies.
+split's range is computed on the device from seq_lens, so the launch is CUDA-graph safe; a split past a
+sequence's end writes a neutral partial (lse = -inf, output 0). A float8_e4m3fn cache is upcast on load
+(exact into fp16/bf16/fp32); its per-KV-head scales are folded into the score scale (K) and the split's
+output (V), so the inner loop does no extra multiplies.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from spmd_engine.kernels.attention_support import check_attention_inputs, dot_precision, supports_shape
+from spmd_engine.kernels.attention_support import check_attention_inputs, dot_precision
 from spmd_engine.kernels.kv_quant import check_kv_scales
 from spmd_engine.kernels.paged_kv_tile import (
     fp8_dot_in_f16,

@@ -44,7 +44,8 @@ PROGRAMS_PER_SM = 3  # resident warps per SM when choosing the split count
 # A split fewer where the count that fills the SMs' resident warps would overshoot them by at most 15 %: the
 # few warps past them would run alone after the rest. H200, CUDA graphs
 # (`python launch/bench/bench_decode_splits.py --small`): 8 rows x 1,024 keys 7 splits 12.4 us -> 6 splits 10.5
-# (600..2,048 keys 14.7 -> 13.2), 4 rows 13 -> 12 splits 8.8 -> 7.8 (9.5 -> 9.3); 12 rows and up, where the overshoot is larger, keep the count that fills the GPU.
+# (600..2,048 keys 14.7 -> 13.2), 4 rows 13 -> 12 splits 8.8 -> 7.8 (9.5 -> 9.3); 12 rows and up, where the
+# overshoot is larger, keep the count that fills the GPU.
 SMALL_SECOND_WAVE = 0.15
 HEAD_DIM = 128
 log = logging.getLogger(__name__)

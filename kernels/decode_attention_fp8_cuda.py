@@ -9,10 +9,10 @@ bench 37,160-38,060 output tok/s against 32,600-32,780 (`python launch/bench/ben
 `python run.py workload=bench kv_cache_dtype=fp8`).
 
 Here each warp converts the bytes once into the MMA's own fragments: K and V tiles arrive by `cp.async`
-into swizzled shared memory, `ldmatrix` (V transposed) hands every lane exactly the four e4m3 bytes it needs, and one `cvt.rn.f16x2.e4m3x2` per pair gives
-the float16 operand. The dot products stay in float16 with float32 accumulation, as in the Triton
-fp8 path (kernels/paged_kv_tile.fp8_dot_in_f16); the dequantization scales are folded into the
-softmax scale (K) and the output (V).
+into swizzled shared memory, `ldmatrix` (V transposed) hands every lane exactly the four e4m3 bytes it
+needs, and one `cvt.rn.f16x2.e4m3x2` per pair gives the float16 operand. The dot products stay in float16
+with float32 accumulation, as in the Triton fp8 path (kernels/paged_kv_tile.fp8_dot_in_f16); the
+dequantization scales are folded into the softmax scale (K) and the output (V).
 
 One warp is one (sequence, KV head, split) program, the Triton split kernel's grid, partials and merge
 (`decode_attention_cuda.run_split_kernel`), so a step may mix the two. Same math, not the same

@@ -150,7 +150,8 @@ class PagedAttentionPlan:
             grid, ints, meta = self.decode
             kernel = _decode_any_splits_kernel if self.decode_any_splits else _decode_split_kernel
             kernel[grid](
-                query, k_cache, v_cache, out, partial_out, partial_lse, self.counters if self.counters is not None else seq_lens, seq_lens, tables,
+                query, k_cache, v_cache, out, partial_out, partial_lse,
+                self.counters if self.counters is not None else seq_lens, seq_lens, tables,
                 scale_log2, ks, vs, *self.strides, *ints, **meta)
         if self.prefill is not None:
             grid, _, meta = self.prefill

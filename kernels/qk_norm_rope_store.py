@@ -187,7 +187,8 @@ def can_fuse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tenso
     differ from theirs in the last bits (no rounding to a 16-bit type hides the compiler's other
     contraction of the rotary / norm arithmetic), and the fusion must not change a token."""
     head_dim = q.shape[-1]
-    return ((q.dtype != torch.float32 or q.device.type != "cuda") and q.dim() == k.dim() == v.dim() == 3 and q.stride(2) == k.stride(2) == v.stride(2) == 1
+    return ((q.dtype != torch.float32 or q.device.type != "cuda") and q.dim() == k.dim() == v.dim() == 3
+            and q.stride(2) == k.stride(2) == v.stride(2) == 1
             and head_dim % 2 == 0 and k.shape[-1] == head_dim and cos.stride() == sin.stride()
             and cos.dim() == 2 and cos.stride(1) == 1
             and (not has_norm or triton.next_power_of_2(head_dim) <= MAX_NORM_HEAD_DIM))

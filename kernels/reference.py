@@ -104,8 +104,9 @@ def paged_attention_reference(
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole cached context (GQA aware).
 
-    Accumulates in float32 and returns query.dtype; an fp8 cache is dequantized on read. The mask is aligned lower-right: query i of a
-    sequence with q_len new tokens and seq_len keys sees keys 0 .. seq_len - q_len + i.
+    Accumulates in float32 and returns query.dtype; an fp8 cache is dequantized on read. The mask is
+    aligned lower-right: query i of a sequence with q_len new tokens and seq_len keys sees keys
+    0 .. seq_len - q_len + i.
     """
     fp8 = check_kv_scales("paged_attention_reference", k_cache, k_scale, v_scale)
     out = torch.empty_like(query)

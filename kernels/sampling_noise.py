@@ -9,7 +9,8 @@ up to the log's rounding: on the GPU the hardware's approximate log2 (MUFU, ~2**
 
 Kernels: the noise of whole rows (`gumbel_noise`) or of given columns (`gumbel_noise_at`, the top-k
 candidates), the fused plain draw (`gumbel_race`), and the whole top-p draw of a row with its
-rejection rounds and exact fallback spread over (row, chunk) programs (`nucleus_sample`), so the sampler never waits for the GPU.
+rejection rounds and exact fallback spread over (row, chunk) programs (`nucleus_sample`), so the
+sampler never waits for the GPU.
 """
 from __future__ import annotations
 

@@ -141,7 +141,8 @@ class EngineConfig:
         _check(self.kv_cache_dtype in ("auto", "fp8"),
                f"kv_cache_dtype must be one of auto|fp8, got {self.kv_cache_dtype!r}")
         _check(self.kv_cache_dtype != "fp8" or self.block_size >= 2,
-               f"kv_cache_dtype=fp8 needs block_size >= 2 (its V cache stores pairs of positions), got {self.block_size}")
+               f"kv_cache_dtype=fp8 needs block_size >= 2 (its V cache stores pairs of positions), "
+               f"got {self.block_size}")
         _check(self.tp_reduce_dtype in ("float32", "model"),
                f"tp_reduce_dtype must be one of float32|model, got {self.tp_reduce_dtype!r}")
         _check(self.tp_allreduce in ("auto", "nccl", "symm_mem"),
@@ -156,8 +157,8 @@ class EngineConfig:
         _check(not (self.prompts is not None and self.prompts_file is not None),
                "give either prompts or prompts_file, not both")
         _check(self.chat_template_kwargs is None or isinstance(self.chat_template_kwargs, dict),
-               f"chat_template_kwargs must be a group of keys, e.g. '+chat_template_kwargs={{enable_thinking: false}}', "
-               f"got {self.chat_template_kwargs!r}")
+               f"chat_template_kwargs must be a group of keys, "
+               f"e.g. '+chat_template_kwargs={{enable_thinking: false}}', got {self.chat_template_kwargs!r}")
         _check(self.output_format in ("rows", "openai"),
                f"output_format must be rows or openai, got {self.output_format!r}")
         _check(not (self.resume and self.output_format == "openai"),

@@ -15,7 +15,8 @@ from collections.abc import Callable, Iterable
 from typing import Any, Union
 
 from spmd_engine.cpu_threads import apply_cpu_threads
-from spmd_engine.config import ConfigError, EngineConfig, engine_config_from_dict, startup_settings, store_config_defaults
+from spmd_engine.config import (ConfigError, EngineConfig, engine_config_from_dict, startup_settings,
+                                store_config_defaults)
 from spmd_engine.core.requests import PolledRequests, PromptRequest, RequestOutput
 from spmd_engine.core.sequence import SamplingParams
 from spmd_engine.distributed import (RankInfo, broadcast_object, destroy_process_group, discover_ranks,

@@ -292,8 +292,8 @@ class _InFlight:
 
     def count(self, plan: StepPlan, launch_kind: str) -> None:
         """Count a launched step and record its host phases and how it ran (decode graph, piecewise, eager)."""
-        self.timer.add(plan.num_seqs, plan.num_tokens, plan.is_decode, num_decode_seqs=int((plan.query_lens == 1).sum()),
-                       launch=launch_kind, **self.clock.take())
+        self.timer.add(plan.num_seqs, plan.num_tokens, plan.is_decode,
+                       num_decode_seqs=int((plan.query_lens == 1).sum()), launch=launch_kind, **self.clock.take())
         self.steps += 1
         self.decode_steps += int(plan.is_decode)
 

@@ -145,7 +145,8 @@ def bench_prefill(batch: int, length: int, block_size: int, config: PrefillConfi
     run = lambda: paged_prefill_attention(q, kc, vc, cu, lens, tables, scale, length, out=out, config=config,  # noqa: E731
                                           **scales)
     run()
-    err = rel_error(out, paged_attention_reference(q, kc, vc, cu, lens, tables, scale, **scales)) if config is None else 0.0
+    err = (rel_error(out, paged_attention_reference(q, kc, vc, cu, lens, tables, scale, **scales))
+           if config is None else 0.0)
     ms = median_ms(run, rep=200 if config is None else 60)
     flops = 4 * batch * NUM_Q_HEADS * HEAD_DIM * length * (length + 1) / 2  # causal pairs
     return ms, flops / ms / 1e9, err

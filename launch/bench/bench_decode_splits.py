@@ -58,7 +58,8 @@ def main() -> None:
         times = {s: us(s) for s in sorted(set(SPLITS) | {rule})}
         best = min(times, key=times.get)
         print(f"{rows:4d} x {lo}..{hi}: rule ({rule}) {times[rule]:6.1f} us {kv_bytes / times[rule] / 1e6:4.2f} TB/s | "
-              f"best ({best}) {times[best]:6.1f} us | " + " ".join(f"{s}:{t:.1f}" for s, t in times.items()), flush=True)
+              f"best ({best}) {times[best]:6.1f} us | " + " ".join(f"{s}:{t:.1f}" for s, t in times.items()),
+              flush=True)
 
 
 if __name__ == "__main__":

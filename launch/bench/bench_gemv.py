@@ -178,7 +178,10 @@ def in_situ(context: int, rounds: int, min_gain_us: float = 5.0) -> None:
     when it loses by more than `min_gain_us` per step (captures differ by ~1-2 µs, and smaller gains did
     not carry over to the engine)."""
     print(f"\nin situ: the batch-1 Qwen3-0.6B decode step (context {context}, PDL on, one CUDA graph), µs per step")
-    fmt = lambda c: f"{c.block_n}x{c.block_k} split {c.split_k} warps {c.num_warps} stages {c.num_stages}"
+
+    def fmt(c: GemvConfig) -> str:
+        return f"{c.block_n}x{c.block_k} split {c.split_k} warps {c.num_warps} stages {c.num_stages}"
+
     before = dict(GEMV_TABLE)
     with torch.inference_mode(), pdl_launches(True):
         step = DecodeStep(1, context)

@@ -74,7 +74,8 @@ def main() -> None:
         flat = torch.randn(sum(n * k for n, k in shapes.values()), device=dev, dtype=torch.bfloat16) * 0.02
         ws, off = {}, 0
         for name, (n, k) in shapes.items():
-            ws[name] = flat[off:off + n * k].view(n, k); off += n * k
+            ws[name] = flat[off:off + n * k].view(n, k)
+            off += n * k
         layers.append((flat, ws))
     kv = torch.empty(512 << 20, dtype=torch.uint8, device=dev)  # 512 MB "attention" stream (~120 us)
     sink = torch.zeros(4, dtype=torch.int32, device=dev)
@@ -84,18 +85,22 @@ def main() -> None:
         g = torch.cuda.CUDAGraph()
         s = torch.cuda.Stream()
         with torch.cuda.stream(s):
-            fn(); torch.cuda.synchronize()
+            fn()
+            torch.cuda.synchronize()
             with torch.cuda.graph(g, stream=s):
                 fn()
         torch.cuda.synchronize()
-        for _ in range(3): g.replay()
+        for _ in range(3):
+            g.replay()
         torch.cuda.synchronize()
         best = 1e9
         for _ in range(5):
             a, b = torch.cuda.Event(True), torch.cuda.Event(True)
             a.record()
-            for _ in range(reps): g.replay()
-            b.record(); b.synchronize()
+            for _ in range(reps):
+                g.replay()
+            b.record()
+            b.synchronize()
             best = min(best, a.elapsed_time(b) / reps)
         return best * 1e3  # us per replay
 
@@ -105,25 +110,32 @@ def main() -> None:
             for name in shapes:
                 F.linear(xs[name], ws[name])
         def cold():
-            for flat, ws in layers: gemms(ws)
+            for flat, ws in layers:
+                gemms(ws)
         def hot():
-            for _ in range(L): gemms(layers[0][1])
+            for _ in range(L):
+                gemms(layers[0][1])
         def stream():
-            for _ in range(L): sr.launch((132 * 4, 1, 1), [kv, STREAM_BYTES // 16, sink])
+            for _ in range(L):
+                sr.launch((132 * 4, 1, 1), [kv, STREAM_BYTES // 16, sink])
         def stream_cold():
             for flat, ws in layers:
-                sr.launch((132 * 4, 1, 1), [kv, STREAM_BYTES // 16, sink]); gemms(ws)
+                sr.launch((132 * 4, 1, 1), [kv, STREAM_BYTES // 16, sink])
+                gemms(ws)
         def pf_mode(mode, before_stream):
             def f():
                 for flat, ws in layers:
-                    if before_stream: pf.launch((132, 1, 1), [flat, flat.numel() * 2, mode])
+                    if before_stream:
+                        pf.launch((132, 1, 1), [flat, flat.numel() * 2, mode])
                     sr.launch((132 * 4, 1, 1), [kv, STREAM_BYTES // 16, sink])
-                    if not before_stream: pf.launch((132, 1, 1), [flat, flat.numel() * 2, mode])
+                    if not before_stream:
+                        pf.launch((132, 1, 1), [flat, flat.numel() * 2, mode])
                     gemms(ws)
             return f
         def pf_only(mode):
             def f():
-                for flat, ws in layers: pf.launch((132, 1, 1), [flat, flat.numel() * 2, mode])
+                for flat, ws in layers:
+                    pf.launch((132, 1, 1), [flat, flat.numel() * 2, mode])
             return f
         t = {}
         t["gemms cold"] = timeit(cold)

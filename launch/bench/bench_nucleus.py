@@ -71,7 +71,8 @@ def main() -> None:
             reference = sn.nucleus_sample(logits, temps, top_ps, seeds, counters, 6)
             configs = [("mass", t) for t in tiles] + [("round", t) for t in tiles if t != default[1]]
             for which, tile in configs:
-                sn.NUCLEUS_MASS_TILE, sn.NUCLEUS_ROUND_TILE = (tile, default[1]) if which == "mass" else (default[0], tile)
+                sn.NUCLEUS_MASS_TILE, sn.NUCLEUS_ROUND_TILE = ((tile, default[1]) if which == "mass"
+                                                               else (default[0], tile))
                 times, total = launch_times(lambda: sn.nucleus_sample(logits, temps, top_ps, seeds, counters, 6),
                                             args.reps)
                 differ = int((sn.nucleus_sample(logits, temps, top_ps, seeds, counters, 6) != reference).sum())

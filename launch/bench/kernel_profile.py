@@ -121,7 +121,8 @@ def main() -> None:
     p.add_argument("--top", type=int, default=18)
     p.add_argument("--top-p", type=float, nargs="+", default=[1.0], metavar="P",
                    help="the requests' top_p (the bench's workload.top_p), one profile each; 1: plain temperature")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an engine key (yaml value; dotted keys nest: debug.cuda_pdl=false)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="an engine key (yaml value; dotted keys nest: debug.cuda_pdl=false)")
     p.add_argument("--whole-bench", action="store_true", help="instead: kernel totals over the bench workload")
     p.add_argument("--boundary", action="store_true",
                    help="instead: the bench's GPU timeline between decode steps (gaps, copies, the draw)")

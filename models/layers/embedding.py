@@ -37,7 +37,8 @@ class _VocabShardedWeight(nn.Module):
             raise ValueError(f"vocabulary weight has {full.shape[0]} rows, "
                              f"expected vocab_size={self.vocab_size}")
         real = self.num_real_rows
-        copy_checked(param.data[:real], full.narrow(0, min(self.vocab_start, self.vocab_size), real), "vocabulary weight")
+        copy_checked(param.data[:real], full.narrow(0, min(self.vocab_start, self.vocab_size), real),
+                     "vocabulary weight")
         with torch.no_grad():
             param.data[real:].zero_()
 

@@ -90,7 +90,8 @@ class SamplingParams:
                                                 or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids)):
             raise ValueError(f"sampling.stop_token_ids must be a list of token ids >= 0, got {self.stop_token_ids!r}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"sampling.min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+            raise ValueError(f"sampling.min_tokens must be in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens!r}")
         if not isinstance(self.include_stop_str_in_output, bool):
             raise ValueError("sampling.include_stop_str_in_output must be true or false, got "
                              f"{self.include_stop_str_in_output!r}")

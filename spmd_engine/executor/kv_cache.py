@@ -164,7 +164,8 @@ def bind_kv_scales(model: torch.nn.Module, scales: torch.Tensor | None) -> None:
         layer.k_scale, layer.v_scale = (None, None) if scales is None else (scales[i, 0], scales[i, 1])
 
 
-def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int,
+                      device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     cache = torch.empty(spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim,
                         dtype=spec.dtype, device=device)
     return [(cache[i, 0], cache[i, 1]) for i in range(spec.num_layers)]

@@ -219,7 +219,8 @@ class ModelRunner:
             plan = StepPlan(step=-1, seq_ids=ids, num_computed=np.asarray(computed, dtype=np.int32),
                             query_lens=np.asarray(query_lens, dtype=np.int32),
                             input_ids=np.zeros(sum(query_lens), dtype=np.int32), sample=np.ones(n, dtype=np.bool_),
-                            reset_tables=np.ones(n, dtype=np.bool_), new_block_counts=np.asarray(blocks, dtype=np.int32),
+                            reset_tables=np.ones(n, dtype=np.bool_),
+                            new_block_counts=np.asarray(blocks, dtype=np.int32),
                             new_block_ids=np.arange(sum(blocks), dtype=np.int32))
             self.execute(plan)
             self.mirror.apply(StepPlan(step=-1, dropped_seq_ids=ids))

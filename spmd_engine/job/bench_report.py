@@ -114,7 +114,8 @@ def bench_report(llm, works: list[dict], engine_run: dict, wall_s: float, output
                      row["schedule_ms"], row["broadcast_ms"], row["inputs_ms"], row["sample_ms"], row["forward_ms"],
                      100 * row["host_plan_fraction"], idle)
             if "launches" in row:
-                log.info("bench %s steps by launch: %s", kind, ", ".join(f"{k} {n}" for k, n in row["launches"].items()))
+                log.info("bench %s steps by launch: %s", kind,
+                         ", ".join(f"{k} {n}" for k, n in row["launches"].items()))
     return report
 
 

@@ -55,7 +55,8 @@ class RunningStats:
         """Add another replica's `vars(RunningStats)`."""
         for key in ("num_requests", "num_errors", "prompt_tokens", "output_tokens", "cached_prompt_tokens"):
             setattr(self, key, getattr(self, key) + other[key])
-        self.ttft_seen = _sample_into(self.ttft, self.ttft_seen, other["ttft"]) - len(other["ttft"]) + other["ttft_seen"]
+        self.ttft_seen = (_sample_into(self.ttft, self.ttft_seen, other["ttft"])
+                          - len(other["ttft"]) + other["ttft_seen"])
         self.itl_seen = _sample_into(self.itl, self.itl_seen, other["itl"]) - len(other["itl"]) + other["itl_seen"]
 
     def summary(self, wall_time_s: float) -> dict:

@@ -52,7 +52,8 @@ def bench_requests(params: dict) -> list[PromptRequest]:
     # generation_config says; workload.top_p / workload.top_k measure the other sampling paths
     overrides = {"temperature": float(params.get("temperature", 0.6)), "top_p": float(params.get("top_p", 1.0)),
                  "top_k": int(params.get("top_k", -1)), "ignore_eos": True, "min_p": 0.0, "repetition_penalty": 1.0}
-    return [PromptRequest(i, None, p, {**overrides, "max_tokens": m}) for i, (p, m) in enumerate(zip(prompts, max_tokens))]
+    return [PromptRequest(i, None, p, {**overrides, "max_tokens": m})
+            for i, (p, m) in enumerate(zip(prompts, max_tokens))]
 
 
 def run_bench_warmup(llm) -> None:

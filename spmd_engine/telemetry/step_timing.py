@@ -115,7 +115,8 @@ class StepTimer:
             known = ~np.isnan(idle)
             if known.any():
                 row["gpu_idle_ms"] = float(idle[known].mean())
-                row["gpu_idle_fraction"] = float(idle[known].sum() / step[known].sum()) if step[known].sum() > 0 else 0.0
+                row["gpu_idle_fraction"] = (float(idle[known].sum() / step[known].sum())
+                                            if step[known].sum() > 0 else 0.0)
         if self.gpu_busy_ms:
             busy = np.asarray([np.nan if v is None else v for v in self.gpu_busy_ms])[mask]
             if (~np.isnan(busy)).any():

@@ -46,7 +46,8 @@ TWO_RANK_CASES = {"kv2": ("kv2", {}), "kv1": ("kv1", {}), "kv2-bf16": ("kv2", {"
 
 
 @pytest.fixture(scope="module")
-def two_rank_runs(tiny_models: dict[str, Path], tmp_path_factory) -> tuple[Path, dict[str, tuple[EngineRun, list[str]]]]:
+def two_rank_runs(tiny_models: dict[str, Path],
+                  tmp_path_factory) -> tuple[Path, dict[str, tuple[EngineRun, list[str]]]]:
     """Every TWO_RANK_CASES case under STRESS on 2 ranks, the torchruns side by side in one cwd (with
     TMPDIR inside it) and job dirs job-<case>: (cwd, case -> (run, args))."""
     cwd = tmp_path_factory.mktemp("tp2")

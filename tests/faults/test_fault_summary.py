@@ -17,7 +17,8 @@ def test_an_error_wins_and_names_rank_step_and_reason():
 
 def test_the_rank_outside_the_collective_is_the_hung_one():
     entries = {0: e(0, TIMEOUT, seconds=10.2),
-               1: e(1, PEER, seconds=9.9, in_collective=False, where="spmd_engine/faults/injection.py:46 in before_step")}
+               1: e(1, PEER, seconds=9.9, in_collective=False,
+                    where="spmd_engine/faults/injection.py:46 in before_step")}
     line = summarize_faults(entries, 2, entries[0])
     assert line.startswith("rank 1 hung at step 3: no progress for 9.9 s (dist_timeout_s=10) at "
                            "spmd_engine/faults/injection.py:46 in before_step")
@@ -54,15 +55,18 @@ def test_signals_and_plain_network_failures():
 
 def test_single_process_hang_has_no_other_ranks():
     own = e(0, TIMEOUT, seconds=10.5, in_collective=False, where="spmd_engine/executor/model_runner.py:9 in execute")
-    assert summarize_faults({0: own}, 1, own) == \
-        "rank 0 hung at step 3: no progress for 10.5 s (dist_timeout_s=10) at spmd_engine/executor/model_runner.py:9 in execute"
+    assert summarize_faults({0: own}, 1, own) == (
+        "rank 0 hung at step 3: no progress for 10.5 s (dist_timeout_s=10) at "
+        "spmd_engine/executor/model_runner.py:9 in execute")
 
 
 def test_a_silent_rank_is_named_with_where_its_watchdog_last_saw_it_in_this_step():
     own = e(0, LOST, step=5, message="rank 1 sent no heartbeat for 2.0 s")
-    seen = {1: {"step": 5, "phase": "step", "where": "spmd_engine/faults/injection.py:66 in compute_for", "in_collective": False}}
+    seen = {1: {"step": 5, "phase": "step", "where": "spmd_engine/faults/injection.py:66 in compute_for",
+                "in_collective": False}}
     assert summarize_faults({0: own}, 2, own, last_seen=seen) == (
         "rank 1 stopped at step 5 without reporting an error (killed, exited or its host failed); "
         "last seen at step 5 at spmd_engine/faults/injection.py:66 in compute_for")
-    stale = {1: {"step": None, "phase": "startup", "where": "spmd_engine/engine.py:60 in agreed", "in_collective": True}}
+    stale = {1: {"step": None, "phase": "startup", "where": "spmd_engine/engine.py:60 in agreed",
+                 "in_collective": True}}
     assert summarize_faults({0: own}, 2, own, last_seen=stale).endswith("(killed, exited or its host failed)")

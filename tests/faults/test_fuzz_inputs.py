@@ -113,7 +113,8 @@ good_lines = st.builds(lambda ids, extra: json.dumps({"prompt_token_ids": ids, *
                        st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=MAX_MODEL_LEN - 1),
                        st.fixed_dictionaries({}, optional={"max_tokens": st.integers(1, 100),
                                                            "temperature": st.floats(0, 5), "top_p": st.floats(0.01, 1),
-                                                           "top_k": st.integers(-1, 400), "seed": st.integers(-(2**63), 2**64 - 1),
+                                                           "top_k": st.integers(-1, 400),
+                                                           "seed": st.integers(-(2**63), 2**64 - 1),
                                                            "ignore_eos": st.booleans()}))
 
 

@@ -23,7 +23,8 @@ CASES = {  # name -> (launcher, rank, kind, the one error line (regex), the proc
                     r"connections and the rendezvous store it hosts are gone\)", 1),
     "plain-hang1": ("plain", 1, "hang",
                     rf"rank 1 hung at step {FAULT_STEP}: no progress for \d+\.\d s \(dist_timeout_s={TIMEOUT_S}\) at "
-                    r"spmd_engine/faults/injection.py:\d+ in before_step while the other ranks waited in collectives", 0),
+                    r"spmd_engine/faults/injection.py:\d+ in before_step "
+                    r"while the other ranks waited in collectives", 0),
     "torchrun-raise1": ("torchrun", 1, "raise", rf"rank 1 failed at step {FAULT_STEP}: {RAISED}", 0),
     "torchrun-kill0": ("torchrun", 0, "kill", rf"rank 0 stopped at step {FAULT_STEP} {re.escape(SILENT)}{SEEN}", 0),
 }

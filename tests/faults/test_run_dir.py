@@ -66,7 +66,8 @@ def test_one_writer_per_run_dir(tmp_path: Path):
     lock_run_dir(tmp_path).release()
     # another process holds it: the same refusal (flock is per open file, held until that process ends)
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
-                               "from spmd_engine.job.run_dir import lock_run_dir; held = lock_run_dir(Path(sys.argv[1])); "
+                               "from spmd_engine.job.run_dir import lock_run_dir; "
+                               "held = lock_run_dir(Path(sys.argv[1])); "
                                "print('locked', flush=True); time.sleep(60)", str(tmp_path)],
                               cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:

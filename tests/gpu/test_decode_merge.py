@@ -51,11 +51,13 @@ def test_fused_merge_equals_the_second_launch(seq_lens, block_size, hq, hkv, hea
     runs = [_decode(batch, batch.seq_lens, out, num_splits=num_splits).clone() for _ in range(200)]
     torch.cuda.synchronize()
     mismatches = [i for i, run in enumerate(runs) if not torch.equal(run, two)]
-    assert not mismatches, f"{len(mismatches)} of 200 fused launches differ from the second launch, first {mismatches[0]}"
+    assert not mismatches, (f"{len(mismatches)} of 200 fused launches differ from the second launch, "
+                            f"first {mismatches[0]}")
     assert not merge_counters(batch.query.device).any()
 
 
-@pytest.mark.parametrize("num_seqs,num_splits", [(64, 8), (64, 16), (1, None)], ids=["b64-split8", "b64-split16", "b1-auto"])
+@pytest.mark.parametrize("num_seqs,num_splits", [(64, 8), (64, 16), (1, None)],
+                         ids=["b64-split8", "b64-split16", "b1-auto"])
 def test_fused_merge_in_a_cuda_graph_follows_new_seq_lens(num_seqs, num_splits):
     """Captured once (counters and all), replayed several times per set of lengths: each replay is
     bitwise the eager two-launch result for those lengths, and the counters end at zero."""

@@ -41,7 +41,8 @@ def test_triton_fp8_layer_matches_the_reference_at_qwen3_shape():
     key_gain = torch.ones(HKV, D, device="cuda")
     key_gain[:, :4] = 12.0
     key_gain *= torch.linspace(0.5, 4.0, HKV, device="cuda")[:, None]
-    scales = fp8_scales_from_absmax(torch.stack([(3 * key_gain).amax(1), torch.full((HKV,), 3.0, device="cuda")])).cuda()
+    scales = fp8_scales_from_absmax(torch.stack([(3 * key_gain).amax(1),
+                                                 torch.full((HKV,), 3.0, device="cuda")])).cuda()
     layers = {}
     for backend in ("triton", "torch"):
         layer = Attention(HQ, HKV, D, D**-0.5, backend)

@@ -29,4 +29,5 @@ def test_matches_rotate_half_on_a_strided_view(tokens, heads, head_dim, dtype):
 
 def test_odd_head_dim_is_rejected():
     with pytest.raises(ValueError, match="head_dim must be even"):
-        apply_rotary(torch.zeros(2, 1, 7, device=DEVICE), torch.zeros(2, 3, device=DEVICE), torch.zeros(2, 3, device=DEVICE))
+        apply_rotary(torch.zeros(2, 1, 7, device=DEVICE), torch.zeros(2, 3, device=DEVICE),
+                     torch.zeros(2, 3, device=DEVICE))

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from spmd_engine.kernels.reference import gumbel_noise_at_reference, gumbel_noise_reference, sampling_hash_reference
-from spmd_engine.kernels.sampling_noise import (BLOCK, NOISE_AT_BLOCK, RACE_CHUNK, gumbel_noise, gumbel_noise_at, gumbel_race,
-                                   nucleus_sample, sampling_hash)
+from spmd_engine.kernels.sampling_noise import (BLOCK, NOISE_AT_BLOCK, RACE_CHUNK, gumbel_noise, gumbel_noise_at,
+                                                gumbel_race, nucleus_sample, sampling_hash)
 from tests.kernels.paged_batch import DEVICE, gpu_case
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::RuntimeWarning")  # interpreter

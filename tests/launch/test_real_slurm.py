@@ -50,7 +50,8 @@ def _slurm_run(cmd: list[str], job_name: str, tmp_path: Path) -> subprocess.Comp
         subprocess.run(["scancel", "--name", job_name], env=env, timeout=15)
         pytest.fail(f"{cmd[0]} did not finish in {TIMEOUT_S} s (job {job_name} cancelled)")
     logs = "\n".join(p.read_text()[-4000:] for p in tmp_path.glob("slurm-*.out"))
-    assert proc.returncode == 0, f"{cmd[0]} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}\n{logs}"
+    assert proc.returncode == 0, (f"{cmd[0]} exited {proc.returncode}\n{proc.stdout[-3000:]}\n"
+                                  f"{proc.stderr[-4000:]}\n{logs}")
     return proc
 
 

@@ -3,7 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from spmd_engine.models.checkpoint import has_tokenizer, hf_hub_cache, looks_like_hub_id, read_hf_config, resolve_checkpoint
+from spmd_engine.models.checkpoint import (has_tokenizer, hf_hub_cache, looks_like_hub_id, read_hf_config,
+                                           resolve_checkpoint)
 
 
 def _fake_hub_snapshot(hub: Path, repo_id: str, commit: str = "0123abcd") -> Path:

@@ -41,7 +41,8 @@ def tiny(request, tmp_path_factory) -> tuple[Path, list[list[int]]]:
     return path, hf_greedy(path, PROMPTS, NEW_TOKENS)
 
 
-def hf_greedy(path: Path, prompts: list[list[int]], new_tokens: int, eos_token_id: int | None = None) -> list[list[int]]:
+def hf_greedy(path: Path, prompts: list[list[int]], new_tokens: int,
+              eos_token_id: int | None = None) -> list[list[int]]:
     """transformers' `generate` (fp32, do_sample=False), one prompt at a time (no padding involved)."""
     from transformers import AutoModelForCausalLM
 

@@ -149,7 +149,8 @@ def test_an_installed_package_named_like_a_top_level_folder_wins_that_name(tmp_p
         assert not (REPO / name / "__init__.py").exists(), name
         (tmp_path / name).mkdir()
         (tmp_path / name / "__init__.py").write_text("WHO = 'installed'\n")
-    code = ("import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import kernels, models, spmd_engine.kernels.reference; "
+    code = ("import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; "
+            "import kernels, models, spmd_engine.kernels.reference; "
             "print(kernels.WHO, models.WHO, spmd_engine.kernels.reference.__file__)")
     out = subprocess.run([sys.executable, "-c", code, str(REPO), str(tmp_path)], capture_output=True, text=True,
                          check=True).stdout.split()

@@ -58,7 +58,8 @@ def test_transforms_equal_the_reference_and_leave_other_rows_alone():
 
 def test_penalty_keys_are_validated():
     for bad, name in [({"min_p": 1.5}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
-                      ({"presence_penalty": 3}, "presence_penalty"), ({"frequency_penalty": -2.5}, "frequency_penalty")]:
+                      ({"presence_penalty": 3}, "presence_penalty"),
+                      ({"frequency_penalty": -2.5}, "frequency_penalty")]:
         with pytest.raises(ValueError, match=f"sampling.{name}"):
             SamplingParams.from_dict(bad)
 

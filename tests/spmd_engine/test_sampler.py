@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from spmd_engine.executor.sampler import (NUCLEUS_ROUNDS, TOP_K_FAST_MAX, Sampler, SamplingRow, _apply_top_k_top_p, _race,
-                                 _sample_top_k, path_of, request_seed, seed_bits)
+from spmd_engine.executor.sampler import (NUCLEUS_ROUNDS, TOP_K_FAST_MAX, Sampler, SamplingRow, _apply_top_k_top_p,
+                                          _race, _sample_top_k, path_of, request_seed, seed_bits)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

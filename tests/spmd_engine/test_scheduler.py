@@ -24,7 +24,8 @@ def seq(seq_id: int, n: int, max_tokens: int = 16, ignore_eos: bool = True, firs
 
 
 def rows(out: ScheduleOutput) -> list[tuple[int, int, int, bool]]:
-    return [(s.seq_id, c, n, smp) for s, c, n, smp in zip(out.seqs, out.num_computed_before, out.num_new_tokens, out.sample)]
+    return [(s.seq_id, c, n, smp)
+            for s, c, n, smp in zip(out.seqs, out.num_computed_before, out.num_new_tokens, out.sample)]
 
 
 def fixed_token_step(sched: Scheduler, token: int = 5):
