@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from spmd_engine.core.plan import prompt_logit_count  # noqa: F401 (re-exported)
 from spmd_engine.executor.device_copy import to_device_async
 
 
