@@ -51,9 +51,16 @@ class GenerationOutput:
     outputs: list[CompletionOutput]
 
     @classmethod
-    def from_engine(cls, out: RequestOutput) -> GenerationOutput:
-        return cls(out.index, out.prompt, out.prompt_token_ids,
-                   [CompletionOutput(0, out.text, list(out.token_ids), out.finish_reason, out.error)])
+    def from_engine(cls, outs: list[RequestOutput]) -> list[GenerationOutput]:
+        """The engine's rows (one per completion, in request then completion order) as one output per
+        request, its `n` completions in `outputs`."""
+        results: list[GenerationOutput] = []
+        for out in outs:
+            if not results or results[-1].request_id != out.index:
+                results.append(cls(out.index, out.prompt, out.prompt_token_ids, []))
+            results[-1].outputs.append(CompletionOutput(out.sample_index or 0, out.text, list(out.token_ids),
+                                                        out.finish_reason, out.error))
+        return results
 
 
 MODEL_KEYWORDS = ("load_format",)  # model.* keys that LLM(...) takes as plain keywords
@@ -216,7 +223,7 @@ class LLM:
 
     def _run(self, requests: list[PromptRequest], use_tqdm: bool) -> list[GenerationOutput]:
         outputs = self.stream(requests if self.ranks.is_first else [], progress=use_tqdm)
-        results = [GenerationOutput.from_engine(out) for out in outputs]
+        results = GenerationOutput.from_engine(outputs)
         return broadcast_object(results)  # every rank returns rank 0's outputs
 
 def _overrides(params: SamplingParams | None) -> dict[str, Any]:

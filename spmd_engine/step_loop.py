@@ -12,6 +12,7 @@ step N samples straight from the device, so the GPU never waits for the host's p
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -83,6 +84,7 @@ class StepLoop:
         self.parts, self.call = parts, call
         self.scheduler = parts.scheduler
         self.preemptions_before = self.scheduler.num_preemptions
+        self.prompt_computed_before = self.scheduler.num_prompt_tokens_computed
         self.builder = PlanBuilder()
         self.sampling = StepSampler(parts.device, self.scheduler.eos_token_ids, parts.runner.sampler_graphs,
                                     call.token_text)
@@ -92,7 +94,10 @@ class StepLoop:
         self.outputs: list[RequestOutput] = []
         self.live: dict[int, tuple[Sequence, RequestOutput]] = {}
         self.texts: dict[int, OutputText] = {}  # seq_id -> its followed text (requests with stop strings)
-        self.fed = 0  # requests pulled so far: the next one's seq_id
+        self.fed = 0  # requests pulled so far
+        self.next_seq_id = 0  # one sequence per completion (sampling.n of them per request)
+        self.unfinished_children: dict[int, int] = {}  # first completion's seq_id -> the request's still running
+        self.prompt_tokens = 0  # unique prompt tokens of the requests admitted (each n-sample family once)
         self.fed_all = False
         self.cached_tokens = 0
 
@@ -117,31 +122,48 @@ class StepLoop:
             if request is None:
                 self.fed_all = True
                 return
-            queued += self._admit(self.fed, request)
+            queued += self._admit(request)
             self.fed += 1
 
-    def _admit(self, seq_id: int, req: PromptRequest) -> int:
-        """Queue `req` as sequence `seq_id` (or finish it as an error row) -> the tokens it queued."""
+    def _admit(self, req: PromptRequest) -> int:
+        """Queue `req` as its `n` completions (or finish it as an error row) -> the tokens it queued."""
         out = RequestOutput(req.index, req.prompt, req.prompt_token_ids, None, [], "error", req.error,
                             custom_id=getattr(req, "custom_id", None))
-        if self.call.keep_outputs:
-            self.outputs.append(out)
         params = self._checked_params(req, out)
         if out.error is not None:
             out.text = None
+            if self.call.keep_outputs:
+                self.outputs.append(out)
             self.call.on_finish(out)
             self.bar.update(1)
             return 0
         seed = params.seed if params.seed is not None else request_seed(self.parts.cfg.seed, self.generation,
                                                                          req.index)
-        seq = Sequence(seq_id, req.prompt_token_ids, params, sampling_seed=seed)
+        self.prompt_tokens += len(req.prompt_token_ids)
+        first, queued = None, 0
+        for i in range(params.n):  # child i draws with seed + i (vLLM's rule): a seeded child is an n=1 request
+            child = out if params.n == 1 else dataclasses.replace(out, sample_index=i, token_times=[])
+            # completions after the first take the prompt's logprobs from it (they share its prompt blocks)
+            child_params = params if i == 0 else dataclasses.replace(params, prompt_logprobs=None)
+            seq = Sequence(self.next_seq_id, req.prompt_token_ids, child_params, sampling_seed=seed + i,
+                           fork_from=first)
+            self.next_seq_id += 1
+            first = seq if first is None else first
+            queued += self._queue(seq, child)
+        self.unfinished_children[first.seq_id] = params.n
+        return queued
+
+    def _queue(self, seq: Sequence, out: RequestOutput) -> int:
+        """Hand one sequence (a completion) to the scheduler and the sampler -> the tokens it queued."""
+        if self.call.keep_outputs:
+            self.outputs.append(out)
         text = None
-        if params.stop:
-            text = self.texts[seq_id] = OutputText(self.call.decode, seq.prompt_token_ids, params.stop,
-                                                   params.include_stop_str_in_output)
+        if seq.params.stop:
+            text = self.texts[seq.seq_id] = OutputText(self.call.decode, seq.prompt_token_ids, seq.params.stop,
+                                                       seq.params.include_stop_str_in_output)
         self.sampling.admit(seq)
         self.scheduler.add(seq, stop_text=text)
-        self.live[seq_id] = (seq, out)
+        self.live[seq.seq_id] = (seq, out)
         return self.scheduler.tokens_to_compute(seq)
 
     def _checked_params(self, req: PromptRequest, out: RequestOutput) -> SamplingParams | None:
@@ -167,7 +189,7 @@ class StepLoop:
         while self._step(loop):
             pass
         self._stop(loop)
-        self.outputs.sort(key=lambda o: o.index)
+        self.outputs.sort(key=lambda o: o.order)
         return self.outputs
 
     def _step(self, loop: _InFlight) -> bool:
@@ -237,9 +259,12 @@ class StepLoop:
         loop.timer.set_gpu_idle(loop.timeline.idle_ms(), loop.timeline.busy_ms())
         cached = self.cached_tokens
         preemptions = self.scheduler.num_preemptions - self.preemptions_before
+        computed = self.scheduler.num_prompt_tokens_computed - self.prompt_computed_before
         self.summary = {"steps": loop.steps, "decode_steps": loop.decode_steps,
                         "async_scheduling": parts.cfg.async_scheduling, "preemptions": preemptions,
                         "cached_prompt_tokens": cached, "sampler_graph_steps": self.sampling.graph_steps,
+                        "prompt_tokens": self.prompt_tokens,  # unique: an n-sample request's prompt once
+                        "prompt_tokens_computed": computed,
                         "step_timing": loop.timer.summary()}
         log.info("generate: %d steps (%d decode), %d preemptions, %d prompt tokens from the prefix cache",
                  loop.steps, loop.decode_steps, preemptions, cached)
@@ -260,7 +285,6 @@ class StepLoop:
             by_seq[seq.seq_id] = token
         for seq in self.scheduler.postprocess(sampled.schedule, by_seq):
             self._finish(seq)
-            self.bar.update(1)
 
     def _finish(self, seq: Sequence) -> None:
         _, out = self.live.pop(seq.seq_id)
@@ -276,6 +300,11 @@ class StepLoop:
         else:
             out.text = self.call.decode(out.token_ids) if self.call.decode else None
         self.call.on_finish(out)
+        family = (seq.fork_from or seq).seq_id
+        left = self.unfinished_children[family] = self.unfinished_children[family] - 1
+        if not left:  # the progress bar counts requests: its last completion is in
+            del self.unfinished_children[family]
+            self.bar.update(1)
 
 
 @dataclass

@@ -105,6 +105,30 @@ class BlockManager:
         self.prefix_cache_hits += num_cached
         return num_cached
 
+    def fork_prefix(self, seq: Sequence, source: Sequence, num_blocks: int) -> int:
+        """Admit `seq` on the first `num_blocks` blocks of `source` (a sibling completion of the same
+        prompt whose KV for them a step already queued): shared by reference count, so the prompt is
+        computed once and either of them may be preempted or finish without freeing the other's KV.
+
+        Works with or without prefix caching (the blocks need not be registered yet). Sets
+        num_computed_tokens and num_cached_tokens and returns the number of shared tokens."""
+        if seq.block_table:
+            raise RuntimeError(f"seq {seq.seq_id} already holds blocks; fork_prefix is for admission")
+        shared = source.block_table[:num_blocks]
+        if len(shared) != num_blocks or num_blocks * self.block_size >= seq.num_tokens:
+            raise RuntimeError(f"seq {seq.seq_id}: cannot share {num_blocks} blocks of seq {source.seq_id}")
+        for block_id in shared:
+            self.blocks[block_id].ref_count += 1  # held by `source`: never in the free queue
+        seq.block_table = list(shared)
+        if self.enable_prefix_caching:
+            self._chain[seq.seq_id] = (0, None)  # its first completed block re-derives the chain (hits, no copy)
+        num_shared = num_blocks * self.block_size
+        seq.num_computed_tokens = num_shared
+        seq.num_cached_tokens = num_shared
+        self.prefix_cache_queries += seq.num_tokens
+        self.prefix_cache_hits += num_shared
+        return num_shared
+
     def num_tokens_to_compute(self, seq: Sequence, use_cache: bool = True) -> int:
         """What `allocate_prefix(seq, use_cache)` now would leave to compute: its tokens past the cached
         prefix (nothing changes)."""

@@ -18,7 +18,7 @@ ERROR_ECHO_TOKENS = 64  # first `prompt_token_ids`; `prompt_num_tokens` then hol
 ERROR_TEXT_CHARS = 1000  # the `error` line itself
 
 
-OPTIONAL_FIELDS = ("stop_reason", "custom_id", "logprobs", "prompt_logprobs")
+OPTIONAL_FIELDS = ("stop_reason", "custom_id", "logprobs", "prompt_logprobs", "sample_index")
 
 
 @dataclass
@@ -39,6 +39,13 @@ class RequestOutput:
     custom_id: str | None = None  # the request's id in an OpenAI batch file
     logprobs: list[dict] | None = None  # per generated token (sampling.logprobs), see spmd_engine/logprobs.py
     prompt_logprobs: list[dict | None] | None = None  # per prompt token, None for the first
+    # which completion of the request (sampling.n > 1 only; None for n = 1, whose rows keep their fields)
+    sample_index: int | None = None
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """Where the row goes in outputs.jsonl and in a generate call's result: by request, then completion."""
+        return self.index, self.sample_index or 0
 
     def to_json(self) -> dict:
         """The outputs.jsonl row: the written fields in declaration order, copied (the caller may keep

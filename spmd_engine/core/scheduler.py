@@ -125,6 +125,7 @@ class Scheduler:
         self._left_since_schedule: list[int] = []
         self._stop_texts: dict[int, OutputText] = {}  # seq_id -> its followed text (requests with stop strings)
         self.num_preemptions = 0
+        self.num_prompt_tokens_computed = 0  # prompt positions scheduled for compute (recomputes included)
 
     @property
     def num_waiting(self) -> int:
@@ -137,8 +138,11 @@ class Scheduler:
 
     def tokens_to_compute(self, seq: Sequence) -> int:
         """Tokens admitting `seq` now would leave to compute: past its cached prefix, as `_admit_waiting`
-        would find it."""
-        return self.block_manager.num_tokens_to_compute(seq, use_cache=_uses_prefix_cache(seq))
+        would find it (a later completion of an n-sample request: past the prompt blocks it will share)."""
+        bm = self.block_manager
+        if seq.fork_from is not None and not seq.fork_from.is_finished:
+            return seq.num_tokens - min(seq.num_prompt_tokens, seq.num_tokens - 1) // bm.block_size * bm.block_size
+        return bm.num_tokens_to_compute(seq, use_cache=_uses_prefix_cache(seq))
 
     @property
     def num_running(self) -> int:
@@ -217,6 +221,8 @@ class Scheduler:
             samples.append(sample)
             seq.num_computed_tokens = total
             seq.num_pending_tokens = pending + sample
+            if computed < seq.num_prompt_tokens:
+                self.num_prompt_tokens_computed += min(total, seq.num_prompt_tokens) - computed
             token_budget -= num_new
             prompt_budget -= num_new if remaining > 1 else 0
             i += 1
@@ -247,7 +253,13 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_pending_tokens:  # preempted while its token was pending: wait for it
                 break
-            bm.allocate_prefix(seq, use_cache=_uses_prefix_cache(seq))
+            shared = self._shared_prompt_blocks(seq, out)
+            if shared is None:  # its first completion is still prefilling the prompt: wait for it (FCFS)
+                break
+            if shared:
+                bm.fork_prefix(seq, seq.fork_from, shared)
+            else:
+                bm.allocate_prefix(seq, use_cache=_uses_prefix_cache(seq))
             num_new = min(seq.num_tokens - seq.num_computed_tokens, token_budget, prompt_budget)
             if not bm.ensure_slots(seq, seq.num_computed_tokens + num_new):
                 bm.undo_prefix(seq)
@@ -255,11 +267,35 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            self.num_prompt_tokens_computed += max(0, min(seq.num_computed_tokens + num_new, seq.num_prompt_tokens)
+                                                   - seq.num_computed_tokens)
             out._add(seq, num_new)
             token_budget -= num_new
             prompt_budget -= num_new
             num_admitted += 1
         return num_admitted
+
+    def _shared_prompt_blocks(self, seq: Sequence, out: ScheduleOutput) -> int | None:
+        """How many prompt blocks `seq` (a completion i > 0 of an n-sample request) shares with its first
+        completion at admission; 0: none, admit as usual; None: wait, that completion is computing them.
+
+        Shared: the full blocks holding only prompt tokens, short of the block with `seq`'s last token
+        (one token must be computed for its logits), once steps before this one computed them (a step
+        runs after every step queued before it, on every rank, so their KV is written when it reads it).
+        Only while the first completion runs: a preempted or finished one shares nothing (the prefix
+        cache may still hit), so a completion never waits on one that waits."""
+        source = seq.fork_from
+        if source is None or source.status is not SequenceStatus.RUNNING:
+            return 0
+        num_blocks = min(seq.num_prompt_tokens, seq.num_tokens - 1) // self.block_manager.block_size
+        if num_blocks == 0:
+            return 0
+        computed = source.num_computed_tokens
+        for scheduled, before in zip(out.seqs, out.num_computed_before):
+            if scheduled is source:  # what it had computed before this step
+                computed = before
+                break
+        return num_blocks if computed >= num_blocks * self.block_manager.block_size else None
 
     def _log_schedule(self, out: ScheduleOutput, num_admitted: int) -> None:
         num_decode = sum(1 for n, c in zip(out.num_new_tokens, out.num_computed_before) if n == 1 and c > 0)

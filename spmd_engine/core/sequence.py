@@ -14,6 +14,7 @@ FINISH_STOP = "stop"  # an EOS token was sampled
 FINISH_LENGTH = "length"  # max_tokens or max_model_len reached
 FINISH_ABORT = "abort"  # the client went away before the end
 MAX_LOGPROBS = 20  # top alternatives per position at most (OpenAI's top_logprobs limit)
+MAX_N = 1024  # completions of one request at most: each is a sequence held until the request ends
 
 
 def _is_int(value: Any) -> bool:
@@ -56,6 +57,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # completions of the prompt (vLLM semantics): child i draws with seed + i, the prompt is prefilled once
+    n: int = 1
 
     @property
     def has_penalties(self) -> bool:
@@ -103,6 +106,8 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_number(value) or not -2 <= value <= 2:
                 raise ValueError(f"sampling.{name} must be in [-2, 2], got {value!r}")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"sampling.n must be an integer in [1, {MAX_N}], got {self.n!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
@@ -161,6 +166,9 @@ class Sequence:
     # the sampler's noise seed: params.seed, or the one the engine drew for an unseeded request
     sampling_seed: int = 0
     stop_reason: str | int | None = None  # the stop string or stop token id that finished it (None: EOS)
+    # a request's completion i > 0 (sampling.n): its first completion, whose computed prompt blocks it
+    # shares at admission instead of prefilling them again (Scheduler._admit_waiting)
+    fork_from: Sequence | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]
