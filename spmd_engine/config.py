@@ -301,6 +301,7 @@ BENCH_PARAMS: dict[str, tuple[type, float | None, str | None]] = {
     "min_output_len": (int, 1, None), "max_output_len": (int, None, "min_output_len"),
     "token_id_max": (int, 0, None), "random_seed": (int, None, None), "temperature": (float, 0, None),
     "warmup": (bool, None, None), "top_p": (float, None, None), "top_k": (int, -1, None),
+    "n": (int, 1, None), "n_as_separate_requests": (bool, None, None),  # workload=bench_n
 }
 
 

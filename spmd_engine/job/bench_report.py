@@ -54,6 +54,8 @@ def bench_work(llm, outputs) -> dict:
         p, n = len(o.prompt_token_ids), len(o.token_ids)
         # decode step j (1 .. n-1) reads the p + j cached keys of its context
         kv_bytes += kv_bytes_per_token * ((n - 1) * p + n * (n - 1) // 2) if n > 0 else 0
+        if o.sample_index:  # a later completion of an n-sample request: its prompt is prefilled once
+            continue
         attn = 2 * 2 * shape.num_layers * (shape.num_heads // tp) * shape.head_dim * p * p / 2
         prefill_flops += 2 * matmul_params * p + 2 * head_params + attn  # LM head: the last token only
     # the fewest decode steps any schedule needs: the longest output, every sequence decoding together

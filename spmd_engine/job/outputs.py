@@ -81,17 +81,18 @@ class OutputsWriter:
                 pass
 
     def finalize(self) -> None:
-        """Rewrite the file in submission (index) order, one line per index (the first kept), atomically.
+        """Rewrite the file in submission order (index, then sample_index), one line per completion (the
+        first kept), atomically.
 
-        Holds (index, offset, length) per row, not the rows: a job of any size sorts in bounded memory."""
+        Holds (key, offset, length) per row, not the rows: a job of any size sorts in bounded memory."""
         self.close()
-        first: dict[int, tuple[int, int]] = {}
+        first: dict[tuple[int, int], tuple[int, int]] = {}
         with open(self.path, "rb") as f:
             offset = 0
             for line in f:
                 row = _parse_row(line)
-                if row is not None and row["index"] not in first:
-                    first[row["index"]] = (offset, len(line))
+                if row is not None and row_key(row) not in first:
+                    first[row_key(row)] = (offset, len(line))
                 offset += len(line)
             _rewrite(self.path, (self._final(_parse_row(_read_at(f, *first[i]))) for i in sorted(first)))
 
@@ -137,6 +138,12 @@ class _BackgroundSync:
         self._stopping = True
         self._wanted.set()
         self._thread.join()
+
+
+def row_key(row: dict) -> tuple[int, int]:
+    """A row's place: its request's index, then its completion (`sample_index`, written when n > 1)."""
+    sample = row.get("sample_index")
+    return row["index"], sample if isinstance(sample, int) and not isinstance(sample, bool) else 0
 
 
 def _read_at(f, offset: int, length: int) -> bytes:

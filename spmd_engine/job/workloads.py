@@ -42,16 +42,22 @@ def default_token_requests(seed: int, vocab_size: int) -> list[PromptRequest]:
 def bench_requests(params: dict) -> list[PromptRequest]:
     """The nano-vllm bench.py workload: all prompts drawn first, then all output lengths."""
     rng = random.Random(params.get("random_seed", 0))
-    n = int(params.get("num_seqs", 256))
+    num_prompts = int(params.get("num_seqs", 256))
     lo_in, hi_in = int(params.get("min_input_len", 100)), int(params.get("max_input_len", 1024))
     lo_out, hi_out = int(params.get("min_output_len", 100)), int(params.get("max_output_len", 1024))
     top = int(params.get("token_id_max", 10000))
-    prompts = [[rng.randint(0, top) for _ in range(rng.randint(lo_in, hi_in))] for _ in range(n)]
-    max_tokens = [rng.randint(lo_out, hi_out) for _ in range(n)]
+    prompts = [[rng.randint(0, top) for _ in range(rng.randint(lo_in, hi_in))] for _ in range(num_prompts)]
+    max_tokens = [rng.randint(lo_out, hi_out) for _ in range(num_prompts)]
     # nano-vllm samples with temperature alone (top_p 1, top_k off), whatever sampling.* or a checkpoint's
     # generation_config says; workload.top_p / workload.top_k measure the other sampling paths
     overrides = {"temperature": float(params.get("temperature", 0.6)), "top_p": float(params.get("top_p", 1.0)),
                  "top_k": int(params.get("top_k", -1)), "ignore_eos": True, "min_p": 0.0, "repetition_penalty": 1.0}
+    n = int(params.get("n", 1))  # completions per prompt (workload=bench_n)
+    if n > 1 and params.get("n_as_separate_requests", False):  # the same work as n lines of one prompt each
+        return [PromptRequest(i * n + k, None, p, {**overrides, "max_tokens": m})
+                for i, (p, m) in enumerate(zip(prompts, max_tokens)) for k in range(n)]
+    if n > 1:
+        overrides["n"] = n
     return [PromptRequest(i, None, p, {**overrides, "max_tokens": m})
             for i, (p, m) in enumerate(zip(prompts, max_tokens))]
 

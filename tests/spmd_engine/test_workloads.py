@@ -65,8 +65,9 @@ def test_steady_state_bench_preset_is_the_bench_with_2048_requests():
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from spmd_engine.config import engine_config_from_dict
+    from spmd_engine.config import engine_config_from_dict, store_config_defaults
 
+    store_config_defaults()  # conf/config.yaml's `engine_defaults` (what run.py and LLM register first)
     conf = Path(__file__).resolve().parents[2] / "conf"
     with initialize_config_dir(version_base="1.3", config_dir=str(conf)):
         raw = OmegaConf.to_container(compose(config_name="config", overrides=["workload=bench_steady"]), resolve=True)
@@ -75,3 +76,28 @@ def test_steady_state_bench_preset_is_the_bench_with_2048_requests():
     requests = bench_requests(cfg.workload.params)
     assert len(requests) == 2048
     assert [r.prompt_token_ids for r in requests[:256]] == [r.prompt_token_ids for r in bench_requests({})]
+
+
+def test_bench_n_preset_is_n_completions_or_the_same_work_as_separate_requests():
+    """workload=bench_n: 256 prompts of 512-1024 tokens, n=8, 256 output tokens; n_as_separate_requests=true
+    gives the same prompts as 8 adjacent n=1 requests each."""
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from spmd_engine.config import engine_config_from_dict, store_config_defaults
+
+    store_config_defaults()  # conf/config.yaml's `engine_defaults` (what run.py and LLM register first)
+    conf = Path(__file__).resolve().parents[2] / "conf"
+    with initialize_config_dir(version_base="1.3", config_dir=str(conf)):
+        raw = OmegaConf.to_container(compose(config_name="config", overrides=["workload=bench_n"]), resolve=True)
+    params = engine_config_from_dict(raw).workload.params
+    grouped = bench_requests(params)
+    assert len(grouped) == 256 and {r.overrides["n"] for r in grouped} == {8}
+    assert all(512 <= len(r.prompt_token_ids) <= 1024 and r.overrides["max_tokens"] == 256 for r in grouped)
+    separate = bench_requests({**params, "n_as_separate_requests": True})
+    assert len(separate) == 8 * 256 and [r.index for r in separate] == list(range(2048))
+    assert all("n" not in r.overrides for r in separate)
+    assert [r.prompt_token_ids for r in separate[::8]] == [r.prompt_token_ids for r in grouped]
+    assert [r.prompt_token_ids for r in separate[5::8]] == [r.prompt_token_ids for r in grouped]
