@@ -263,7 +263,7 @@ class StepLoop:
         self.summary = {"steps": loop.steps, "decode_steps": loop.decode_steps,
                         "async_scheduling": parts.cfg.async_scheduling, "preemptions": preemptions,
                         "cached_prompt_tokens": cached, "sampler_graph_steps": self.sampling.graph_steps,
-                        "prompt_tokens": self.prompt_tokens,  # unique: an n-sample request's prompt once
+                        "unique_prompt_tokens": self.prompt_tokens,  # an n-sample request's prompt once
                         "prompt_tokens_computed": computed,
                         "step_timing": loop.timer.summary()}
         log.info("generate: %d steps (%d decode), %d preemptions, %d prompt tokens from the prefix cache",

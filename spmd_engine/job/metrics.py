@@ -129,7 +129,8 @@ def write_metrics(path: Path, metrics: dict) -> None:
     Path(path).write_text(json.dumps(metrics, indent=2, default=str) + "\n", encoding="utf-8")
 
 
-SUMMED_ENGINE_KEYS = ("steps", "decode_steps", "preemptions", "cached_prompt_tokens", "sampler_graph_steps")
+SUMMED_ENGINE_KEYS = ("steps", "decode_steps", "preemptions", "cached_prompt_tokens", "sampler_graph_steps",
+                      "unique_prompt_tokens", "prompt_tokens_computed")
 
 
 def replicas_engine(runs: list[dict]) -> dict:

@@ -90,7 +90,7 @@ def test_the_prompt_is_prefilled_once_per_family(ckpt, prefix_caching):
         run(llm, [(p, {"n": 8}) for p in ps])
         stats = llm.last_run
         unique = sum(len(p) for p in ps)
-        assert stats["prompt_tokens"] == unique
+        assert stats["unique_prompt_tokens"] == unique
         assert unique < stats["prompt_tokens_computed"] <= unique + 7 * block * len(ps), stats
     # the same work as 8 separate n=1 requests admitted together prefills every copy
     llm = make_llm(ckpt, block_size=block, enable_prefix_caching=prefix_caching,
