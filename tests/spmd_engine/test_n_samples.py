@@ -103,3 +103,19 @@ def test_a_bad_n_is_one_error_row():
     for bad in (0, -1, 1.5, "2", 10**9):
         with pytest.raises(ValueError, match="sampling.n must be an integer"):
             SamplingParams(n=bad).validate()
+
+
+def test_the_python_api_returns_n_completions_per_prompt(ckpt):
+    """`SamplingParams(n=3)`: one GenerationOutput per prompt, its completions indexed 0..2 (vLLM's shape)."""
+    from spmd_engine import LLM
+
+    llm = LLM(model=str(ckpt), device="cpu", block_size=4, num_kv_blocks=64, max_model_len=64)
+    ps = [{"prompt_token_ids": p} for p in prompts(2, 5)]
+    singles = [llm.generate(ps, SamplingParams(temperature=1.0, max_tokens=6, seed=40 + i, ignore_eos=True))
+               for i in range(3)]
+    outs = llm.generate(ps, SamplingParams(temperature=1.0, max_tokens=6, seed=40, n=3, ignore_eos=True))
+    llm.close()
+    assert [o.request_id for o in outs] == [0, 1]
+    for o in outs:
+        assert [c.index for c in o.outputs] == [0, 1, 2]
+        assert [c.token_ids for c in o.outputs] == [s[o.request_id].outputs[0].token_ids for s in singles]
