@@ -141,7 +141,8 @@ class StepLoop:
                                                                          req.index)
         self.prompt_tokens += len(req.prompt_token_ids)
         first, queued = None, 0
-        for i in range(params.n):  # child i draws with seed + i (vLLM's rule): a seeded child is an n=1 request
+        indices = range(params.n) if req.completions is None else [i for i in req.completions if i < params.n]
+        for i in indices:  # child i draws with seed + i (vLLM's rule): a seeded child is an n=1 request
             child = out if params.n == 1 else dataclasses.replace(out, sample_index=i, token_times=[])
             # completions after the first take the prompt's logprobs from it (they share its prompt blocks)
             child_params = params if i == 0 else dataclasses.replace(params, prompt_logprobs=None)
@@ -150,7 +151,8 @@ class StepLoop:
             self.next_seq_id += 1
             first = seq if first is None else first
             queued += self._queue(seq, child)
-        self.unfinished_children[first.seq_id] = params.n
+        if first is not None:
+            self.unfinished_children[first.seq_id] = len(indices)
         return queued
 
     def _queue(self, seq: Sequence, out: RequestOutput) -> int:

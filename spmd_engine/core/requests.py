@@ -94,6 +94,8 @@ class PromptRequest:
     chat_template_kwargs: dict[str, Any] | None = None  # this line's template options (over the job's)
     custom_id: str | None = None  # the OpenAI batch line's id, echoed in its output row
     api: str | None = None  # an OpenAI batch line's endpoint: "chat" | "completions" (None: our own line)
+    # which of its sampling.n completions to run (a resumed job's missing ones); None: all of them
+    completions: tuple[int, ...] | None = None
 
 
 class NotYet(enum.Enum):

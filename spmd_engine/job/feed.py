@@ -13,7 +13,7 @@ from typing import Any
 
 from spmd_engine.config import EngineConfig
 from spmd_engine.core.requests import PromptRequest
-from spmd_engine.job.outputs import resume_mismatch
+from spmd_engine.job.outputs import resume_mismatch, row_key
 from spmd_engine.job.prompts import DEFAULT_PROMPTS, iter_prompts, tokenize
 from spmd_engine.job.workloads import bench_requests, default_token_requests
 
@@ -44,6 +44,11 @@ def chunk_size(total: int, replicas: int, max_num_seqs: int) -> int:
     return max(1, min(CHUNK_REQUESTS, max_num_seqs, -(-total // (8 * replicas))))
 
 
+def row_error(row: dict) -> bool:
+    """An error row: the request's only row, whatever its sampling.n (it never ran)."""
+    return row.get("finish_reason") == "error"
+
+
 def chunked(items: Iterable[PromptRequest], size: int) -> Iterator[list[PromptRequest]]:
     items = iter(items)
     while chunk := list(islice(items, size)):
@@ -60,16 +65,38 @@ class RequestFeed:
     requests: Iterator[PromptRequest]
     total: int  # requests in the job, finished ones of a resumed job included
     chunk_size: int = CHUNK_REQUESTS
-    finished: set[int] = field(default_factory=set)  # resume: indices already in outputs.jsonl
+    finished: set[int] = field(default_factory=set)  # resume: indices with every completion in outputs.jsonl
     kinds: dict[int, str | None] = field(default_factory=dict)  # output_format=openai: each index's API
-    _sampling: dict[int, dict] = field(default_factory=dict)
+    kept_completions: dict[int, set[int]] = field(default_factory=dict)  # resume: index -> sample indices kept
+    _sampling: dict[int, list] = field(default_factory=dict)  # index -> [sampling, rows still to write]
 
     def sampling_for(self, request: PromptRequest) -> dict:
         return {**vars(self.cfg.sampling), **request.overrides}
 
     def sampling_of(self, index: int) -> dict | None:
-        """The sampling of a request handed out, once (for its row)."""
-        return self._sampling.pop(index, None)
+        """The sampling of a request handed out, for each of its rows (dropped after the last one)."""
+        entry = self._sampling.get(index)
+        if entry is None:
+            return None
+        entry[1] -= 1
+        if entry[1] <= 0:
+            del self._sampling[index]
+        return entry[0]
+
+    def _hand_out(self, request: PromptRequest) -> bool:
+        """Note a request to run (its sampling kept for its rows); a resumed one runs only the completions
+        outputs.jsonl lacks. False: nothing of it is left to run."""
+        sampling = self.sampling_for(request)
+        n = sampling.get("n", 1)
+        n = n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1  # a bad n: one error row
+        kept = self.kept_completions.get(request.index, set())
+        missing = [i for i in range(n) if i not in kept]
+        if not missing:
+            return False
+        if kept:
+            request.completions = tuple(missing)
+        self._sampling[request.index] = [sampling, len(missing)]
+        return True
 
     def _tokenize(self, requests: list[PromptRequest]) -> list[PromptRequest]:
         return tokenize(requests, self.tokenizer, self.cfg.chat_template, self.cfg.chat_template_kwargs)
@@ -77,11 +104,10 @@ class RequestFeed:
     def chunks(self) -> Iterator[list[PromptRequest]]:
         """Chunks of at most chunk_size requests to run, read and tokenized only when asked for."""
         for chunk in chunked(self.requests, self.chunk_size):
-            todo = self._tokenize([r for r in chunk if r.index not in self.finished])
-            for request in todo:
-                self._sampling[request.index] = self.sampling_for(request)
-                if self.cfg.output_format == "openai":
-                    self.kinds[request.index] = request.api
+            todo = [r for r in chunk if r.index not in self.finished and self._hand_out(r)]
+            self._tokenize(todo)
+            if self.cfg.output_format == "openai":
+                self.kinds.update((request.index, request.api) for request in todo)
             if todo:
                 yield todo
 
@@ -96,16 +122,23 @@ class RequestFeed:
     def resume_from(self, rows: list[dict], fresh: Iterator[PromptRequest]) -> str | None:
         """Check the kept `rows` against a fresh pass over the job's requests (tokenizing only those with
         a row) and skip their indices; why they don't belong to this job, or None."""
-        kept = {row["index"] for row in rows}
+        kept: dict[int, set[int]] = {}
+        for row in rows:
+            kept.setdefault(row["index"], set()).add(row_key(row)[1])
         pending: dict[int, dict] = {}
+        finished: set[int] = set()
 
         def with_rows() -> Iterator[PromptRequest]:
             for chunk in chunked(fresh, self.chunk_size):
                 for request in self._tokenize([r for r in chunk if r.index in kept]):
-                    pending[request.index] = self.sampling_for(request)
+                    pending[request.index] = sampling = self.sampling_for(request)
+                    n = sampling.get("n", 1)
+                    if request.index in errored or (isinstance(n, int) and set(range(n)) <= kept[request.index]):
+                        finished.add(request.index)
                     yield request
 
+        errored = {row["index"] for row in rows if row_error(row)}
         mismatch = resume_mismatch(rows, with_rows(), pending.pop, self.total)
         if mismatch is None:
-            self.finished = kept
+            self.finished, self.kept_completions = finished, kept
         return mismatch

@@ -285,7 +285,7 @@ def _open_requests(llm: LLM, cfg: EngineConfig, output_dir: Path | None,
     final_form = None
     if cfg.output_format == "openai":
         from spmd_engine.job.openai_batch import batch_output
-        final_form = lambda row: batch_output(row, feed.kinds.get(row["index"]), cfg.model.name)  # noqa: E731
+        final_form = lambda rows: batch_output(rows, feed.kinds.get(rows[0]["index"]), cfg.model.name)  # noqa: E731
     writer = (OutputsWriter(outputs_path, keep=done, sampling_of=feed.sampling_of, final_form=final_form)
               if outputs_path else None)
     return feed, writer

@@ -29,6 +29,7 @@ class RunningStats:
     SAMPLE_CAP values and drawn from a uniform sample of them beyond."""
 
     num_requests: int = 0
+    num_completions: int = 0  # rows: a request of sampling.n = k has k (an error row is one)
     num_errors: int = 0
     prompt_tokens: int = 0
     output_tokens: int = 0
@@ -39,11 +40,13 @@ class RunningStats:
     itl_seen: int = 0
 
     def add(self, out: RequestOutput) -> None:
-        self.num_requests += 1
+        first = not out.sample_index  # a request's prompt is counted once, with its first completion
+        self.num_requests += first
+        self.num_completions += 1
         if out.finish_reason == "error":
             self.num_errors += 1
             return
-        self.prompt_tokens += len(out.prompt_token_ids or [])
+        self.prompt_tokens += len(out.prompt_token_ids or []) if first else 0
         self.output_tokens += len(out.token_ids)
         self.cached_prompt_tokens += out.num_cached_tokens
         if out.first_token_time is not None:
@@ -53,7 +56,8 @@ class RunningStats:
 
     def merge(self, other: dict) -> None:
         """Add another replica's `vars(RunningStats)`."""
-        for key in ("num_requests", "num_errors", "prompt_tokens", "output_tokens", "cached_prompt_tokens"):
+        for key in ("num_requests", "num_completions", "num_errors", "prompt_tokens", "output_tokens",
+                    "cached_prompt_tokens"):
             setattr(self, key, getattr(self, key) + other[key])
         self.ttft_seen = (_sample_into(self.ttft, self.ttft_seen, other["ttft"])
                           - len(other["ttft"]) + other["ttft_seen"])
@@ -63,6 +67,7 @@ class RunningStats:
         tokens = self.prompt_tokens + self.output_tokens
         return {
             "num_requests": self.num_requests,
+            "num_completions": self.num_completions,
             "num_errors": self.num_errors,
             "prompt_tokens": self.prompt_tokens,
             "output_tokens": self.output_tokens,

@@ -21,16 +21,16 @@ _COMMON = {"max_tokens": "max_tokens", "temperature": "temperature", "top_p": "t
            "top_k": "top_k", "min_tokens": "min_tokens", "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids",
            "include_stop_str_in_output": "include_stop_str_in_output", "prompt_logprobs": "prompt_logprobs",
            "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
-           "repetition_penalty": "repetition_penalty", "min_p": "min_p"}
+           "repetition_penalty": "repetition_penalty", "min_p": "min_p", "n": "n"}
 CHAT_FIELDS = {**_COMMON, "messages": "messages", "max_completion_tokens": "max_tokens",
                "chat_template_kwargs": "chat_template_kwargs"}
 COMPLETION_FIELDS = {**_COMMON, "prompt": "prompt"}
 # fields whose value is accepted only when it asks for nothing we would have to ignore
-_NEUTRAL = {"n": 1, "stream": False, "echo": False}
+_NEUTRAL = {"stream": False, "echo": False}
 
 
 def _neutral(key: str, value: Any) -> bool:
-    """A field set to the value that changes nothing (n=1, stream=false, a zero penalty)."""
+    """A field set to the value that changes nothing (stream=false, echo=false)."""
     if key not in _NEUTRAL:
         return False
     want = _NEUTRAL[key]
@@ -106,37 +106,41 @@ def _logprobs(kind: str, body: dict, request: dict) -> str | None:
     return None
 
 
-def batch_output(row: dict, kind: str | None, model: str) -> dict:
-    """One OpenAI batch output object for one of our rows (an error row becomes `error`, no response)."""
+def batch_output(rows: list[dict], kind: str | None, model: str) -> dict:
+    """One OpenAI batch output object for one request's rows (its n completions, in order; an error
+    row becomes `error`, no response)."""
+    row = rows[0]
     custom_id = row.get("custom_id")
     if row.get("finish_reason") == "error":
         return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": None,
                 "error": {"code": "invalid_request", "message": row.get("error")}}
     prompt_tokens = len(row.get("prompt_token_ids") or [])
-    completion_tokens = len(row.get("token_ids") or [])
-    finish = row.get("finish_reason")
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "stop_reason": row.get("stop_reason")}
+    completion_tokens = sum(len(r.get("token_ids") or []) for r in rows)
+    choices = [_choice(r, kind) for r in rows]
+    obj = "text_completion" if kind == "completions" else "chat.completion"
+    request_id = f"req_{uuid.uuid4().hex}"
+    body = {"id": f"{'chatcmpl' if kind != 'completions' else 'cmpl'}-{uuid.uuid4().hex}", "object": obj,
+            "created": int(time.time()), "model": model, "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}}
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id,
+            "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None}
+
+
+def _choice(row: dict, kind: str | None) -> dict[str, Any]:
+    """One completion as a `choices` entry (its `index`: the row's sample_index)."""
+    choice: dict[str, Any] = {"index": row.get("sample_index") or 0, "finish_reason": row.get("finish_reason"),
+                              "stop_reason": row.get("stop_reason")}
     logprobs = row.get("logprobs")
     if kind == "completions":
-        obj, choice["text"] = "text_completion", row.get("text")
-        if logprobs is not None:
-            choice["logprobs"] = {"tokens": [e["token"] for e in logprobs],
-                                  "token_logprobs": [e["logprob"] for e in logprobs],
-                                  "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]}
-                                                   for e in logprobs]}
-        else:
-            choice["logprobs"] = None
+        choice["text"] = row.get("text")
+        choice["logprobs"] = None if logprobs is None else {
+            "tokens": [e["token"] for e in logprobs], "token_logprobs": [e["logprob"] for e in logprobs],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in logprobs]}
     else:
-        obj = "chat.completion"
         choice["message"] = {"role": "assistant", "content": row.get("text")}
         choice["logprobs"] = None if logprobs is None else {"content": [
             {"token": e["token"], "logprob": e["logprob"],
              "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in e["top_logprobs"]]}
             for e in logprobs]}
-    request_id = f"req_{uuid.uuid4().hex}"
-    body = {"id": f"{'chatcmpl' if kind != 'completions' else 'cmpl'}-{uuid.uuid4().hex}", "object": obj,
-            "created": int(time.time()), "model": model, "choices": [choice],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens}}
-    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id,
-            "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None}
+    return choice

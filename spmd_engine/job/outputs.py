@@ -12,7 +12,7 @@ import json
 import os
 import threading
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 from spmd_engine.core.requests import (  # noqa: F401
     ERROR_ECHO_CHARS,
@@ -44,10 +44,11 @@ class OutputsWriter:
 
     def __init__(self, path: Path, keep: list[dict] | None = None,
                  sampling_of: Callable[[int], dict | None] | None = None,
-                 final_form: Callable[[dict], dict] | None = None) -> None:
+                 final_form: Callable[[list[dict]], dict] | None = None) -> None:
         """`sampling_of(index)`: the request's sampling parameters, written as the row's `sampling`
-        (what a resumed job checks its kept rows against). `final_form(row)`: what `finalize` writes
-        for each row instead of the row (output_format=openai); lines appended during the run stay rows."""
+        (what a resumed job checks its kept rows against). `final_form(rows)`: what `finalize` writes
+        for each request (its rows, one per completion) instead of its rows (output_format=openai);
+        lines appended during the run stay rows."""
         self.path = Path(path)
         self.sampling_of = sampling_of
         self.final_form = final_form
@@ -94,10 +95,8 @@ class OutputsWriter:
                 if row is not None and row_key(row) not in first:
                     first[row_key(row)] = (offset, len(line))
                 offset += len(line)
-            _rewrite(self.path, (self._final(_parse_row(_read_at(f, *first[i]))) for i in sorted(first)))
-
-    def _final(self, row: dict) -> dict:
-        return self.final_form(row) if self.final_form else row
+            rows = (_parse_row(_read_at(f, *first[key])) for key in sorted(first))
+            _rewrite(self.path, rows if self.final_form is None else map(self.final_form, _by_request(rows)))
 
     def close(self) -> None:
         """Stop the background fsync, fsync what is written and close the file."""
@@ -138,6 +137,18 @@ class _BackgroundSync:
         self._stopping = True
         self._wanted.set()
         self._thread.join()
+
+
+def _by_request(rows: Iterable[dict]) -> Iterator[list[dict]]:
+    """Consecutive rows of one request (its completions) as one list."""
+    group: list[dict] = []
+    for row in rows:
+        if group and group[0]["index"] != row["index"]:
+            yield group
+            group = []
+        group.append(row)
+    if group:
+        yield group
 
 
 def row_key(row: dict) -> tuple[int, int]:

@@ -41,6 +41,7 @@ OVERRIDE_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "repetition_penalty": ((int, float), "a number"),
     "presence_penalty": ((int, float), "a number"),
     "frequency_penalty": ((int, float), "a number"),
+    "n": ((int,), "an integer"),
 }
 REQUEST_KEYS = ("chat_template_kwargs",)  # per-request keys that are neither the prompt nor sampling
 NO_TOKENIZER_ERROR = "prompt text given but the checkpoint has no tokenizer; pass prompt_token_ids"

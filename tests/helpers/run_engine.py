@@ -175,9 +175,12 @@ def generate_in_process(args: list[str]) -> list[list[int]]:
 
 
 def read_outputs(job_dir: Path) -> list[dict]:
-    """outputs.jsonl rows; they must be in submission order with one row per request index."""
+    """outputs.jsonl rows; they must be in submission order with one row per request index (one per
+    completion, by sample_index, for a request of sampling.n > 1)."""
     rows = [json.loads(line) for line in (Path(job_dir) / "outputs.jsonl").read_text().splitlines() if line]
-    assert [r["index"] for r in rows] == list(range(len(rows))), rows
+    keys = [(r["index"], r.get("sample_index", 0)) for r in rows]
+    counts = [sum(1 for i, _ in keys if i == index) for index in range(len({i for i, _ in keys}))]
+    assert keys == [(i, k) for i, count in enumerate(counts) for k in range(count)], rows
     return rows
 
 

@@ -31,12 +31,12 @@ def test_batch_lines_become_requests(tmp_path):
     assert ok.overrides == {"max_tokens": 7, "stop": "\n", "logprobs": 3} and ok.chat_template_kwargs == {"k": 1}
     assert cmpl.prompt == "p" and cmpl.overrides == {"logprobs": 2} and cmpl.api == "completions"
     assert ids.prompt_token_ids == [5, 6]
-    assert bad.custom_id == "d" and bad.error.endswith("body field(s) not supported by this engine: tools, n "
-                                                       "(url /v1/chat/completions)")
+    assert bad.custom_id == "d" and bad.error.endswith("body field(s) not supported by this engine: tools "
+                                                       "(url /v1/chat/completions)")  # n is supported
     assert bad_url.custom_id == "e" and "'url' must be" in bad_url.error
     assert "not supported" in two.error and "prompt" in two.error
 
 
 def test_batch_output_of_an_error_row():
-    out = batch_output({"index": 0, "custom_id": "x", "finish_reason": "error", "error": "bad"}, "chat", "m")
+    out = batch_output([{"index": 0, "custom_id": "x", "finish_reason": "error", "error": "bad"}], "chat", "m")
     assert out["custom_id"] == "x" and out["response"] is None and out["error"]["message"] == "bad"
