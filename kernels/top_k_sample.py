@@ -42,7 +42,7 @@ GROUPS = 256  # groups per chunk: the bound is tight for k << GROUPS
 CHUNK = GROUP * GROUPS  # columns per program of the candidate pass (as the plain race's chunks)
 K_CAPS = (32, 128)  # the compiled row capacities (k_cap): two variants, whatever k a job asks for
 TOP_K_KERNEL_MAX = K_CAPS[-1]  # rows with a larger k take the torch path
-_NO_COLUMN = 2**31 - 1
+_NO_COLUMN = tl.constexpr(2**31 - 1)  # no candidate (past every column)
 _LIBDEVICE = tl.constexpr(not triton_interpreting())  # the interpreter has no libdevice
 
 
