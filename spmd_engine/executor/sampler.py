@@ -14,7 +14,10 @@ No path waits for the GPU (async scheduling overlaps the next step's planning wi
 shapes come from the rows' parameters on the host, and every data-dependent decision (a top-p
 row's rejections and its fallback) is taken on the device, in one Triton program per row on CUDA
 (`kernels.sampling_noise.nucleus_sample`). The torch top-p path below (`_sample_nucleus`) is the
-CPU path and the kernel's reference: the same rounds, noise and cut, token for token.
+CPU path and the kernel's reference: the same rounds, noise and cut, token for token. Likewise top-k
+rows (k up to `top_k_sample.TOP_K_KERNEL_MAX`, with or without top-p) take one Triton kernel pair on
+CUDA (`kernels.top_k_sample`: one read of the logits, keys from the step's one packed copy, and a
+sampler-graph kind for uniform batches of k up to GRAPH_TOP_K_MAX); `_sample_top_k` is their CPU path.
 """
 from __future__ import annotations
 
