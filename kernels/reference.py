@@ -238,3 +238,27 @@ def gumbel_noise_at_reference(seeds: torch.Tensor, counters: torch.Tensor, round
     device): `gumbel_noise_reference(...).gather(1, cols)` without the [N, vocab] tensor."""
     bits = _column_hash_np(seeds, counters, round_, cols.detach().cpu().numpy())
     return torch.from_numpy(_gumbel_from_hash_np(bits)).to(seeds.device)
+
+
+def top_k_sample_reference(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor,
+                           top_ps: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """The top-k draw of `kernels/top_k_sample.py`, op by op: each row's k largest logits (float32) by a
+    stable sort (ties to the lowest column), divided by T (a true division); the nucleus within the top-k
+    from float64 weights exp(z - z_max) summed in rank order (a rank is kept when cumsum - weight <
+    top_p * the top-k's mass, or top_p >= 1); the race z + round-0 Gumbel noise of each kept column,
+    ties to the lowest column. The sampler's torch path (`executor/sampler._sample_top_k`, torch.topk)
+    draws the same token unless tied logits straddle a row's k-th rank."""
+    values, order = logits.float().sort(dim=-1, descending=True, stable=True)
+    tokens = []
+    for i in range(logits.shape[0]):
+        k = int(top_ks[i])
+        z = values[i, :k] / temperatures[i].float()
+        cols = order[i, :k]
+        weights = (z.double() - z[0].double()).exp()
+        cumulative = weights.cumsum(dim=0)
+        p = float(top_ps[i])
+        keep = (cumulative - weights) < (p * cumulative[-1] if p < 1.0 else float("inf"))
+        noise = gumbel_noise_at_reference(seeds[i:i + 1], counters[i:i + 1], 0, cols[None, :])[0].to(z.device)
+        scores = (z + noise).masked_fill(~keep, float("-inf"))
+        tokens.append(int(cols[scores == scores.max()].min()))
+    return torch.tensor(tokens, dtype=torch.int64, device=logits.device)

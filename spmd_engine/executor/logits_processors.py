@@ -71,39 +71,67 @@ def apply_penalties_and_min_p(logits: torch.Tensor, picked: Seq[tuple[Sequence, 
     logit space with the row's temperature: p_i < min_p * p_max  <=>  z_i < z_max + T * ln(min_p),
     so the sampler's own temperature division sees exactly vLLM's mask. Rows setting none: no work.
     """
-    vocab, dev = logits.shape[-1], logits.device
     pen = [i for i, (s, _) in enumerate(picked) if s.params.has_penalties]
     if pen:
-        outputs, prompts = [], []
-        for i in pen:
-            seq, position = picked[i]
-            drawn = position - seq.num_prompt_tokens  # output tokens before this draw
-            outputs.append(seq.token_ids[seq.num_prompt_tokens:seq.num_prompt_tokens + drawn])
-            prompts.append(seq.prompt_token_ids if seq.params.repetition_penalty != 1.0 else [])
-        params = [picked[i][0].params for i in pen]
-        host = torch.tensor([[p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
-                             [p.presence_penalty for p in params]], dtype=torch.float32)
-        rep, freq, pres = to_device_async(host, dev)
-        index = to_device_async(torch.as_tensor(pen, dtype=torch.int64), dev)
-        z = logits.index_select(0, index)
-        counts = torch.zeros(len(pen), vocab + 1, dtype=torch.float32, device=dev)
-        out_ids = to_device_async(_padded(outputs, vocab), dev)  # padding counts into the extra column
-        counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=torch.float32))
-        counts = counts[:, :vocab]
+        _apply_penalties(logits, picked, pen)
+    mp = [i for i, (s, _) in enumerate(picked) if s.params.min_p > 0 and s.params.temperature >= min_temperature]
+    if mp:
+        margins = [math.log(picked[i][0].params.min_p) * picked[i][0].params.temperature for i in mp]
+        apply_min_p(logits, mp, margins)
+    return logits
+
+
+def _rows_of(logits: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The logits of `rows`: a view of them all when `rows` is every row in order (a step whose rows all
+    ask: no [N, V] gather and scatter back), else a gathered copy and its device index."""
+    if rows == list(range(logits.shape[0])):
+        return logits, None
+    index = to_device_async(torch.as_tensor(rows, dtype=torch.int64), logits.device)
+    return logits.index_select(0, index), index
+
+
+def apply_min_p(logits: torch.Tensor, rows: list[int], margins: list[float]) -> torch.Tensor:
+    """min_p in place on `rows`: every logit below the row's maximum + its margin (T * ln(min_p)) is -inf.
+    The margins are rounded to float32, the logits' dtype, as the mask compares in it."""
+    margin = to_device_async(torch.tensor(margins, dtype=torch.float32), logits.device)
+    z, index = _rows_of(logits, rows)
+    cut = z.max(dim=-1, keepdim=True).values + margin[:, None]
+    if index is None:
+        return logits.masked_fill_(logits < cut, float("-inf"))
+    logits.index_copy_(0, index, z.masked_fill_(z < cut, float("-inf")))
+    return logits
+
+
+def _apply_penalties(logits: torch.Tensor, picked: Seq[tuple[Sequence, int]], pen: list[int]) -> None:
+    """The penalties of rows `pen`, in place; a term no row sets is skipped (z * 1 and z - 0 are z, so
+    the result is the same bits)."""
+    vocab, dev = logits.shape[-1], logits.device
+    params = [picked[i][0].params for i in pen]
+    repeat = any(p.repetition_penalty != 1.0 for p in params)
+    additive = any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params)
+    if not (repeat or additive):
+        return
+    outputs, prompts = [], []
+    for i in pen:
+        seq, position = picked[i]
+        drawn = position - seq.num_prompt_tokens  # output tokens before this draw
+        outputs.append(seq.token_ids[seq.num_prompt_tokens:seq.num_prompt_tokens + drawn])
+        prompts.append(seq.prompt_token_ids if seq.params.repetition_penalty != 1.0 else [])
+    host = torch.tensor([[p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
+                         [p.presence_penalty for p in params]], dtype=torch.float32)
+    rep, freq, pres = to_device_async(host, dev)
+    z, index = _rows_of(logits, pen)
+    counts = torch.zeros(len(pen), vocab + 1, dtype=torch.float32, device=dev)
+    out_ids = to_device_async(_padded(outputs, vocab), dev)  # padding counts into the extra column
+    counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=torch.float32))
+    counts = counts[:, :vocab]
+    if repeat:
         seen = torch.zeros(len(pen), vocab + 1, dtype=torch.bool, device=dev)
         seen.scatter_(1, to_device_async(_padded(prompts, vocab), dev), True)
         seen = seen[:, :vocab] | (counts > 0)
         factor = torch.where(z > 0, 1.0 / rep[:, None], rep[:, None])
-        z = torch.where(seen, z * factor, z)
-        z = z - freq[:, None] * counts - pres[:, None] * (counts > 0).float()
+        z.mul_(torch.where(seen, factor, 1.0))  # = where(seen, z * factor, z)
+    if additive:
+        z.sub_(freq[:, None] * counts).sub_(pres[:, None] * (counts > 0).float())
+    if index is not None:
         logits.index_copy_(0, index, z)
-    mp = [i for i, (s, _) in enumerate(picked) if s.params.min_p > 0 and s.params.temperature >= min_temperature]
-    if mp:
-        host = torch.tensor([[math.log(picked[i][0].params.min_p) * picked[i][0].params.temperature for i in mp]],
-                            dtype=torch.float32)[0]
-        margin = to_device_async(host, dev)
-        index = to_device_async(torch.as_tensor(mp, dtype=torch.int64), dev)
-        z = logits.index_select(0, index)
-        cut = z.max(dim=-1, keepdim=True).values + margin[:, None]
-        logits.index_copy_(0, index, z.masked_fill(z < cut, float("-inf")))
-    return logits

@@ -14,7 +14,10 @@ No path waits for the GPU (async scheduling overlaps the next step's planning wi
 shapes come from the rows' parameters on the host, and every data-dependent decision (a top-p
 row's rejections and its fallback) is taken on the device, in one Triton program per row on CUDA
 (`kernels.sampling_noise.nucleus_sample`). The torch top-p path below (`_sample_nucleus`) is the
-CPU path and the kernel's reference: the same rounds, noise and cut, token for token.
+CPU path and the kernel's reference: the same rounds, noise and cut, token for token. Likewise top-k
+rows (k up to `top_k_sample.TOP_K_KERNEL_MAX`, with or without top-p) take one Triton kernel pair on
+CUDA (`kernels.top_k_sample`: one read of the logits, keys from the step's one packed copy, and a
+sampler-graph kind for uniform batches of k up to GRAPH_TOP_K_MAX); `_sample_top_k` is their CPU path.
 """
 from __future__ import annotations
 
@@ -94,6 +97,7 @@ def _host_to(values: list, dtype: torch.dtype, device: torch.device) -> torch.Te
 PATHS = ("greedy", "top_k", "top_k_sort", "top_p", "plain")
 _GREEDY, _TOP_K, _TOP_K_SORT, _TOP_P, _PLAIN = range(len(PATHS))
 _ALIGN_ROWS = 4  # every packed section starts 16 bytes aligned (4 float32 / 2 int64 entries)
+_SECTIONS = 5  # a group's key sections before its row indices: seeds, counters, float32 pairs, top_k, top_p
 
 
 @dataclass
@@ -142,11 +146,14 @@ class _GroupKeys:
     temperatures: torch.Tensor  # [M] float32
     top_p: torch.Tensor  # [M] float32
     index: torch.Tensor | None  # [M] int64: the group's rows of the batch (None: all rows, in order)
+    top_k: torch.Tensor | None = None  # [M] int64 (the top-k kernel's keys)
+    top_p64: torch.Tensor | None = None  # [M] float64: top_p as the host holds it (the top-k nucleus cut)
 
 
 def _pack_groups(batch: SamplingBatch, groups: list[np.ndarray | None]) -> tuple[np.ndarray, list[tuple[int, int]]]:
     """One int64 host buffer holding, per group, its seeds, counters, float32 temperatures and top_p,
-    and (for a selection of rows) its row indices; returns it and each group's (offset, rows). Every
+    top_k, float64 top_p (the top-k kernel's keys: 16 bytes a row more, no copy of their own) and (for a
+    selection of rows) its row indices; returns it and each group's (offset, rows). Every
     section starts 16-byte aligned whatever the row counts: Triton specialises pointers on 16-byte
     alignment, and counters 8 bytes off (an odd count) compiled new kernel variants mid-job."""
     layout, words = [], 0
@@ -154,7 +161,7 @@ def _pack_groups(batch: SamplingBatch, groups: list[np.ndarray | None]) -> tuple
         m = len(batch) if members is None else len(members)
         m4 = -(-m // _ALIGN_ROWS) * _ALIGN_ROWS
         layout.append((words, m))
-        words += 3 * m4 + (m4 if members is not None else 0)  # seeds, counters, 2 x float32, index
+        words += _SECTIONS * m4 + (m4 if members is not None else 0)  # seeds, counters, 2 x float32, k, p, index
     buf = np.zeros(words, dtype=np.int64)
     for (at, m), members in zip(layout, groups):
         m4 = -(-m // _ALIGN_ROWS) * _ALIGN_ROWS
@@ -164,16 +171,19 @@ def _pack_groups(batch: SamplingBatch, groups: list[np.ndarray | None]) -> tuple
         floats = buf[at + 2 * m4:at + 3 * m4].view(np.float32)
         floats[:m] = batch.temperatures[sel]  # float64 -> float32 rounds to nearest, as torch.tensor did
         floats[m4:m4 + m] = batch.top_p[sel]
+        buf[at + 3 * m4:at + 3 * m4 + m] = batch.top_k[sel]
+        buf[at + 4 * m4:at + 4 * m4 + m].view(np.float64)[:] = batch.top_p[sel]
         if members is not None:
-            buf[at + 3 * m4:at + 3 * m4 + m] = members
+            buf[at + _SECTIONS * m4:at + _SECTIONS * m4 + m] = members
     return buf, layout
 
 
 def _unpack_group(keys: torch.Tensor, at: int, m: int, selected: bool) -> _GroupKeys:
     m4 = -(-m // _ALIGN_ROWS) * _ALIGN_ROWS
     floats = keys[at + 2 * m4:at + 3 * m4].view(torch.float32)
-    index = keys[at + 3 * m4:at + 3 * m4 + m] if selected else None
-    return _GroupKeys(keys[at:at + m], keys[at + m4:at + m4 + m], floats[:m], floats[m4:m4 + m], index)
+    index = keys[at + _SECTIONS * m4:at + _SECTIONS * m4 + m] if selected else None
+    return _GroupKeys(keys[at:at + m], keys[at + m4:at + m4 + m], floats[:m], floats[m4:m4 + m], index,
+                      keys[at + 3 * m4:at + 3 * m4 + m], keys[at + 4 * m4:at + 5 * m4].view(torch.float64)[:m])
 
 
 class _KeyStaging:
@@ -262,7 +272,8 @@ class Sampler:
             keys = self._keys(batch, [None])[0]
             if codes[0] == _PLAIN:  # what the sampler graphs (executor/sampler_graphs.py) replay
                 return sample_uniform("plain", logits, keys.temperatures, keys.seeds, keys.counters)
-            return self._sample_group(PATHS[codes[0]], logits.float(), batch, keys)
+            kind = PATHS[codes[0]]  # the top-k kernel reads bf16 logits as they are
+            return self._sample_group(kind, logits if kind == "top_k" else logits.float(), batch, keys)
         kinds = [k for k in range(_TOP_K, len(PATHS)) if (codes == k).any()]
         out = logits.argmax(dim=-1)
         if not kinds:
@@ -296,8 +307,10 @@ class Sampler:
         if kind == "top_p" and dev.type == "cuda":  # one program per row: rejection and fallback on the GPU
             from spmd_engine.kernels.sampling_noise import nucleus_sample
             return nucleus_sample(logits.contiguous(), temps, keys.top_p, seeds, counters, NUCLEUS_ROUNDS)
-        if kind == "top_k":  # topk of the logits, then / T: the order is the same, one [N, V] pass less
-            return _sample_top_k(logits, temps, batch.top_k.tolist(), batch.top_p.tolist(), seeds, counters)
+        if kind == "top_k":
+            if dev.type == "cuda":
+                return _sample_top_k_cuda(logits, batch, keys)
+            return _sample_top_k(logits.float(), temps, batch.top_k.tolist(), batch.top_p.tolist(), seeds, counters)
         z = logits / temps[:, None]  # a true division: CUDA divides by a scalar as a multiply by the
         # reciprocal, which would round otherwise than another batch's per-row division
         if kind == "top_k_sort":
@@ -305,29 +318,74 @@ class Sampler:
         return _sample_nucleus(z, keys.top_p, seeds, counters)
 
 
+def _sample_top_k_cuda(logits: torch.Tensor, batch: SamplingBatch, keys: _GroupKeys) -> torch.Tensor:
+    """The top-k group on CUDA: rows of k up to TOP_K_KERNEL_MAX by the Triton kernel
+    (kernels/top_k_sample.py: one read of the logits, no host-to-device copy beyond the keys), larger k by
+    `_sample_top_k`. Which one a row takes depends on its own k alone (the determinism rule: the two
+    differ where tied logits straddle the k-th rank)."""
+    from spmd_engine.kernels.top_k_sample import TOP_K_KERNEL_MAX, k_cap_for, top_k_sample
+    wide = batch.top_k > TOP_K_KERNEL_MAX
+    if not wide.any():
+        return top_k_sample(logits, keys.temperatures, keys.top_k, keys.top_p64, keys.seeds, keys.counters,
+                            k_cap_for(int(batch.top_k.max())))
+    if wide.all():
+        return _sample_top_k(logits.float(), keys.temperatures, batch.top_k.tolist(), batch.top_p.tolist(),
+                             keys.seeds, keys.counters)
+    out = torch.empty(len(batch), dtype=torch.int64, device=logits.device)
+    for rows in (np.flatnonzero(~wide), np.flatnonzero(wide)):
+        index = _host_to(rows.tolist(), torch.int64, logits.device)
+        sub = SamplingBatch(batch.seeds[rows], batch.counters[rows], batch.temperatures[rows], batch.top_p[rows],
+                            batch.top_k[rows])
+        part = _GroupKeys(*(t.index_select(0, index) for t in (keys.seeds, keys.counters, keys.temperatures,
+                                                                keys.top_p)), None,
+                          keys.top_k.index_select(0, index), keys.top_p64.index_select(0, index))
+        out[index] = _sample_top_k_cuda(logits.index_select(0, index), sub, part)
+    return out
+
+
 # the paths a whole batch can take with one fixed sequence of launches (no row selection): the sampler
 # graphs' kinds (executor/sampler_graphs.py)
-UNIFORM_KINDS = ("greedy", "plain")
+UNIFORM_KINDS = ("greedy", "plain", "top_k")
+# the largest top_k of a "top_k" sampler graph's rows: the kernel's smaller compiled capacity
+# (kernels/top_k_sample.K_CAPS[0]; Qwen3's generation_config asks for 20)
+GRAPH_TOP_K_MAX = 32
 
 
 def uniform_kind(batch: SamplingBatch) -> str | None:
-    """"greedy" or "plain" when every row of the batch takes that path, else None (top-k, top-p or a
-    mix of paths: the sampler's eager grouping)."""
+    """"greedy", "plain" or "top_k" (with or without top-p, k up to GRAPH_TOP_K_MAX) when every row of the
+    batch takes that path, else None (top-p alone, a larger k or a mix of paths: the sampler's eager
+    grouping)."""
     codes = batch.paths()
     if not len(codes) or not (codes == codes[0]).all():
         return None
+    if codes[0] == _TOP_K:
+        return "top_k" if int(batch.top_k.max()) <= GRAPH_TOP_K_MAX else None
     return {_GREEDY: "greedy", _PLAIN: "plain"}.get(int(codes[0]))
 
 
 def sample_uniform(kind: str, logits: torch.Tensor, temperatures: torch.Tensor | None, seeds: torch.Tensor | None,
-                   counters: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+                   counters: torch.Tensor | None, out: torch.Tensor | None = None, top_k: torch.Tensor | None = None,
+                   top_p: torch.Tensor | None = None, scratch: torch.Tensor | None = None) -> torch.Tensor:
     """The draw of a batch whose rows all take path `kind` ("greedy": argmax; "plain": the race over
-    logits / T with round-0 noise): logits [N, V] and keys [N] on one device -> tokens [N] int64 (into
-    `out` [N] if given: the sampler graphs draw into the runner's token feed).
+    logits / T with round-0 noise; "top_k": the top-k kernel, `top_k` int64 and `top_p` float64 [N] keys,
+    k up to GRAPH_TOP_K_MAX, `scratch` its candidate buffer or None): logits [N, V] and keys [N] on one
+    device -> tokens [N] int64 (into `out` [N] if given: the sampler graphs draw into the runner's token feed).
     Why one function: the eager sampler and the sampler graphs (which capture it) run the same
     launches on the same inputs, so a row's token does not depend on which of them drew it."""
     if kind == "greedy":
         return logits.argmax(dim=-1) if out is None else torch.argmax(logits, dim=-1, out=out)
+    if kind == "top_k":
+        if logits.device.type == "cuda":
+            from spmd_engine.kernels.top_k_sample import top_k_sample
+            return top_k_sample(logits, temperatures, top_k, top_p, seeds, counters, GRAPH_TOP_K_MAX, out, scratch)
+        drawn = (temperatures > 0).tolist()  # CPU: the eager torch path on the real rows (padding: T = 0)
+        rows = [i for i, real in enumerate(drawn) if real]
+        tokens = out if out is not None else torch.zeros(logits.shape[0], dtype=torch.int64)
+        if rows:
+            index = torch.tensor(rows)
+            tokens[index] = _sample_top_k(logits[index].float(), temperatures[index], top_k[index].tolist(),
+                                          top_p[index].tolist(), seeds[index], counters[index])
+        return tokens
     if kind != "plain":
         raise ValueError(f"sample_uniform: kind must be one of {UNIFORM_KINDS}, got {kind!r}")
     return _sample_plain(logits.float(), temperatures, seeds, counters, out)

@@ -16,10 +16,12 @@ pytestmark = GPU
 SIZES = [1, 2, 4, 8, 16, 32, 48]
 
 
-def batch(n: int, rng: np.random.Generator, greedy: bool) -> SamplingBatch:
+def batch(n: int, rng: np.random.Generator, greedy: bool, top_k: bool = False) -> SamplingBatch:
     temps = np.zeros(n) if greedy else rng.uniform(0.05, 3.0, n)
+    top_ks = rng.integers(1, 33, n, dtype=np.int64) if top_k else np.full(n, -1, dtype=np.int64)
+    top_ps = rng.choice([1.0, 0.95, 0.5], n) if top_k else np.ones(n)
     return SamplingBatch(rng.integers(-2**63, 2**63 - 1, n, dtype=np.int64), rng.integers(0, 5000, n, dtype=np.int64),
-                         temps, np.ones(n), np.full(n, -1, dtype=np.int64))
+                         temps, top_ps, top_ks)
 
 
 def static_logits(vocab: int) -> dict[int, torch.Tensor]:
@@ -28,18 +30,18 @@ def static_logits(vocab: int) -> dict[int, torch.Tensor]:
 
 
 @pytest.mark.parametrize("vocab", [151936, 1000])
-@pytest.mark.parametrize("greedy", [False, True])
-def test_replayed_draws_are_the_eager_samplers_tokens(vocab, greedy):
+@pytest.mark.parametrize("greedy,top_k", [(False, False), (True, False), (False, True)])
+def test_replayed_draws_are_the_eager_samplers_tokens(vocab, greedy, top_k):
     logits = static_logits(vocab)
     graphs = SamplerGraphs.capture(logits)
     sampler = Sampler(torch.device("cuda"))
-    rng = np.random.default_rng(vocab + greedy)
+    rng = np.random.default_rng(vocab + greedy + 2 * top_k)
     try:
         for trial, n in enumerate([1, 2, 3, 4, 5, 8, 9, 16, 17, 31, 32, 33, 47, 48] * 3):
             rows = smallest_holding(SIZES, n)
             static = logits[rows]
             static.copy_(torch.randn(rows, vocab, device="cuda") * (0.5 + trial % 4))
-            b = batch(n, rng, greedy)
+            b = batch(n, rng, greedy, top_k)
             expected = sampler.sample_on_device(static[:n], b).clone()
             static[n:] = float("nan") if trial % 2 else 1e4  # padding rows: anything
             replays = graphs.num_replays
@@ -96,8 +98,9 @@ def outputs(llm, prompts, **params) -> list[list[int]]:
     return [o.token_ids for o in outs]
 
 
-UNIFORM = [{"temperature": 0.0}, {"temperature": 0.8, "top_p": 1.0, "seed": 7}, {"temperature": 1.2, "top_p": 1.0}]
-EAGER = [{"temperature": 0.8, "top_p": 0.9, "seed": 7}, {"temperature": 0.8, "top_p": 1.0, "top_k": 20},
+UNIFORM = [{"temperature": 0.0}, {"temperature": 0.8, "top_p": 1.0, "seed": 7}, {"temperature": 1.2, "top_p": 1.0},
+           {"temperature": 0.6, "top_p": 1.0, "top_k": 20}, {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "seed": 7}]
+EAGER = [{"temperature": 0.8, "top_p": 0.9, "seed": 7}, {"temperature": 0.8, "top_p": 1.0, "top_k": 40},
          {"temperature": 0.8, "top_p": 1.0, "logprobs": 1}]
 
 

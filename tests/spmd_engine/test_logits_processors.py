@@ -56,6 +56,35 @@ def test_transforms_equal_the_reference_and_leave_other_rows_alone():
     assert torch.allclose(early[0][~torch.isinf(ref)], ref[~torch.isinf(ref)], atol=1e-5)
 
 
+
+@pytest.mark.parametrize("params", [
+    [SamplingParams(min_p=0.1, temperature=0.7)] * 3,  # min_p alone, every row: in place, no gather
+    [SamplingParams(repetition_penalty=1.3)] * 3,  # one penalty term, the others skipped
+    [SamplingParams(frequency_penalty=0.4, presence_penalty=0.2, min_p=0.05, temperature=1.1),
+     SamplingParams(repetition_penalty=0.8, min_p=0.2, temperature=0.6),
+     SamplingParams(presence_penalty=-0.5)]])
+def test_a_rows_transform_is_the_same_bits_alone_in_a_step_of_such_rows_and_beside_others(params):
+    """Whether a step's rows all ask (transformed in place) or some do (gathered and scattered back), and
+    whatever terms the other rows set, each row's logits come out bit for bit the same."""
+    gen = torch.Generator().manual_seed(len(params))
+    logits = torch.randn(len(params) + 1, 300, generator=gen) * 3
+    seqs = []
+    for i, p in enumerate(params + [SamplingParams()]):
+        seq = Sequence(i, [1, 2, 3, 7, 250], p)
+        for t in [7, 9, 9, 11, 299][:i + 2]:
+            seq.append_token(t)
+        seqs.append(seq)
+    picked = [(s, s.num_tokens) for s in seqs]
+    every = apply_penalties_and_min_p(logits[:-1].clone(), picked[:-1])
+    beside = apply_penalties_and_min_p(logits.clone(), picked)
+    alone = [apply_penalties_and_min_p(logits[i:i + 1].clone(), [picked[i]])[0] for i in range(len(params))]
+    assert torch.equal(every, beside[:-1]) and torch.equal(every, torch.stack(alone))
+    assert torch.equal(beside[-1], logits[-1])
+    for i, s in enumerate(seqs[:-1]):
+        ref = _reference(logits[i], s.prompt_token_ids, s.output_token_ids, s.params)
+        assert torch.equal(torch.isinf(every[i]), torch.isinf(ref))
+        assert torch.allclose(every[i][~torch.isinf(ref)], ref[~torch.isinf(ref)], atol=1e-5)
+
 def test_penalty_keys_are_validated():
     for bad, name in [({"min_p": 1.5}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
                       ({"presence_penalty": 3}, "presence_penalty"),

@@ -11,7 +11,8 @@ from spmd_engine.config import engine_config_from_dict
 from spmd_engine.distributed import RankInfo
 from spmd_engine.engine import Engine
 from spmd_engine.executor.cuda_graphs import smallest_holding
-from spmd_engine.executor.sampler import MIN_TEMPERATURE, Sampler, SamplingBatch, _KeyStaging, uniform_kind
+from spmd_engine.executor.sampler import (GRAPH_TOP_K_MAX, MIN_TEMPERATURE, Sampler, SamplingBatch, _KeyStaging,
+                                          uniform_kind)
 from spmd_engine.executor.sampler_graphs import (PAD_COUNTER, PAD_SEED, PAD_TEMPERATURE, KeyViews, SamplerGraphs,
                                                  pack_keys)
 from spmd_engine.job.prompts import PromptRequest
@@ -52,19 +53,42 @@ def test_pack_keys_lays_out_seeds_counters_temperatures_and_pads_the_rest():
         pack_keys(batch(0), 6)
 
 
-def test_only_all_greedy_or_all_plain_batches_are_uniform():
+def test_only_all_greedy_all_plain_or_all_narrow_top_k_batches_are_uniform():
     assert uniform_kind(batch(4, temperature=0.0)) == "greedy"
     assert uniform_kind(batch(4, temperature=MIN_TEMPERATURE / 2)) == "greedy"
     assert uniform_kind(batch(4, temperature=0.7)) == "plain"
     assert uniform_kind(batch(4, temperature=[0.0, 0.7, 0.7, 0.7])) is None  # a mix of paths
     assert uniform_kind(batch(4, top_p=0.9)) is None
-    assert uniform_kind(batch(4, top_k=20)) is None
+    assert uniform_kind(batch(4, top_k=20)) == "top_k"  # Qwen3's defaults, with and without top-p
+    assert uniform_kind(batch(4, top_k=20, top_p=0.95)) == "top_k"
+    assert uniform_kind(batch(4, top_k=GRAPH_TOP_K_MAX)) == "top_k"
+    assert uniform_kind(batch(4, top_k=GRAPH_TOP_K_MAX + 1)) is None  # past the graphs' kernel capacity
     assert uniform_kind(batch(4, temperature=0.0, top_p=0.9)) == "greedy"  # greedy whatever its top-p
     assert uniform_kind(batch(0)) is None
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.3, 1.0, [0.5, 1.7, 0.9, 3.0, 1.1, 0.2, 0.8, 1.4]])
-def test_graph_path_draws_the_eager_samplers_tokens_and_ignores_padding_rows(temperature):
+def test_the_graphs_top_k_capacity_is_the_kernels_smaller_one():
+    from spmd_engine.kernels.top_k_sample import K_CAPS
+    assert GRAPH_TOP_K_MAX == K_CAPS[0]
+
+
+def test_pack_keys_of_a_top_k_graph_adds_top_k_and_float64_top_p():
+    b = batch(3, temperature=[0.5, 1.25, 2.0], top_p=0.95, top_k=20, seed0=7, counter0=40)
+    b.top_k[1] = 3
+    packed = pack_keys(b, 6, "top_k")
+    assert packed.shape == (5 * 8,)
+    keys = KeyViews.of(torch.from_numpy(packed), 6, "top_k")
+    assert keys.packed.shape == (40,) and keys.top_p.dtype == torch.float64
+    assert keys.top_k.tolist()[:3] == [20, 3, 20] and keys.top_p.tolist()[:3] == [0.95] * 3  # not float32's 0.95
+    assert keys.temperatures.tolist() == [0.5, 1.25, 2.0] + [PAD_TEMPERATURE] * 3
+    assert pack_keys(b, 6, "plain").tolist() == packed[:24].tolist()
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k", [(0.0, 1.0, -1), (0.3, 1.0, -1), (1.0, 1.0, -1),
+                                                     ([0.5, 1.7, 0.9, 3.0, 1.1, 0.2, 0.8, 1.4], 1.0, -1),
+                                                     (0.6, 1.0, 20), (0.6, 0.95, 20), (1.3, 0.5, 1),
+                                                     ([0.5, 1.7, 0.9, 3.0, 1.1, 0.2, 0.8, 1.4], 0.8, 32)])
+def test_graph_path_draws_the_eager_samplers_tokens_and_ignores_padding_rows(temperature, top_p, top_k):
     sizes = [1, 2, 4, 8]
     logits = static_logits(sizes)
     graphs = SamplerGraphs.eager(logits)
@@ -72,7 +96,9 @@ def test_graph_path_draws_the_eager_samplers_tokens_and_ignores_padding_rows(tem
     for step, n in enumerate([1, 2, 3, 4, 5, 7, 8]):
         rows = smallest_holding(sizes, n)
         temps = temperature[:n] if isinstance(temperature, list) else temperature
-        b = batch(n, temps, seed0=step, counter0=3 * step)
+        b = batch(n, temps, top_p=top_p, top_k=top_k, seed0=step, counter0=3 * step)
+        if top_k > 1:
+            b.top_k[:] = np.arange(n) % top_k + 1  # mixed k per row
         expected = eager.sample_on_device(logits[rows][:n].clone(), b)
         logits[rows][n:] = torch.randn(rows - n, VOCAB) * 50  # padding rows: anything
         got = graphs.sample(rows, b)
@@ -101,7 +127,8 @@ def test_steps_without_a_uniform_graph_queue_nothing():
     logits = static_logits([1, 4])
     graphs = SamplerGraphs.eager(logits)
     before = graphs.keys.clone()
-    for rows, b in ((4, batch(3, top_p=0.9)), (4, batch(3, top_k=5)), (4, batch(2, temperature=[0.0, 1.0])),
+    for rows, b in ((4, batch(3, top_p=0.9)), (4, batch(3, top_k=GRAPH_TOP_K_MAX + 1)),
+                    (4, batch(2, temperature=[0.0, 1.0])),
                     (2, batch(2)),  # no 2-row graph
                     (1, batch(2)),  # more rows than the graph
                     (4, batch(0))):
@@ -194,7 +221,8 @@ def run(llm: Engine, prompts, **params) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("params", [{"temperature": 0.0}, {"temperature": 0.8, "top_p": 1.0, "seed": 1234},
-                                    {"temperature": 1.3, "top_p": 1.0}])
+                                    {"temperature": 1.3, "top_p": 1.0}, {"temperature": 0.6, "top_p": 1.0, "top_k": 20},
+                                    {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "seed": 3}])
 def test_engine_samples_uniform_decode_steps_from_the_graphs_with_the_same_tokens(checkpoint, params):
     plain = make_llm(checkpoint, emulate_graphs=False)
     graphed = make_llm(checkpoint, emulate_graphs=True)
@@ -204,7 +232,7 @@ def test_engine_samples_uniform_decode_steps_from_the_graphs_with_the_same_token
     assert graphed.runner.sampler_graphs.num_replays > 0
 
 
-@pytest.mark.parametrize("params", [{"temperature": 0.8, "top_p": 0.9}, {"temperature": 0.8, "top_p": 1.0, "top_k": 20},
+@pytest.mark.parametrize("params", [{"temperature": 0.8, "top_p": 0.9}, {"temperature": 0.8, "top_p": 1.0, "top_k": 40},
                                     {"temperature": 0.8, "top_p": 1.0, "logprobs": 2},
                                     {"temperature": 0.8, "top_p": 1.0, "min_p": 0.05},
                                     {"temperature": 0.0, "repetition_penalty": 1.2}])
