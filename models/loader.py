@@ -10,17 +10,59 @@ import json
 import os
 import zlib
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from spmd_engine.models.causal_lm import CausalLM
+from spmd_engine.models.causal_lm import CausalLM, ShardId
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 # non-persistent buffers some exporters still save; recomputed here from the config
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+@dataclass(frozen=True)
+class WeightTarget:
+    """Where one checkpoint tensor goes: its parameter and, for a packed one, which part (q/k/v, gate/up)."""
+
+    name: str  # the HF checkpoint name
+    param: torch.nn.Parameter
+    shard_id: ShardId
+
+
+def weight_target(model: CausalLM, params: dict[str, torch.nn.Parameter], expected: dict[str, tuple[int, ...]],
+                  name: str, shape: tuple[int, ...]) -> WeightTarget | None:
+    """The parameter a FULL checkpoint tensor of `shape` loads into; None for a name the engine skips
+    (non-persistent buffers, the head of a tied model). ValueError naming the tensor otherwise."""
+    if name.endswith(IGNORED_SUFFIXES):
+        return None
+    if name == "lm_head.weight" and model.shape.tie_word_embeddings:
+        return None  # tied: the head is the embedding
+    if name not in expected:
+        raise ValueError(f"checkpoint tensor {name!r} is not part of {model.shape.architecture}")
+    if tuple(shape) != expected[name]:
+        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(shape)}, expected {expected[name]}")
+    param_name, shard_id = model.checkpoint_to_parameter(name)
+    return WeightTarget(name, params[param_name], shard_id)
+
+
+def load_into(target: WeightTarget, tensor: torch.Tensor) -> None:
+    """This rank's shard of `tensor` copied into the target parameter (in place: its storage stays)."""
+    if target.shard_id is None:
+        target.param.weight_loader(target.param, tensor)
+    else:
+        target.param.weight_loader(target.param, tensor, target.shard_id)
+
+
+def _with_aliases(named: Iterable[tuple[str, torch.Tensor]], aliases: dict[str, str] | None
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    for source_name, tensor in named:
+        yield source_name, tensor
+        if aliases and source_name in aliases:
+            yield aliases[source_name], tensor
 
 
 def load_weights(
@@ -33,29 +75,50 @@ def load_weights(
     expected = model.checkpoint_shapes()
     params = dict(model.named_parameters())
     seen: set[str] = set()
-    for source_name, tensor in named_tensors:
-        for name in [source_name] + ([aliases[source_name]] if aliases and source_name in aliases else []):
-            if name.endswith(IGNORED_SUFFIXES):
-                continue
-            if name == "lm_head.weight" and model.shape.tie_word_embeddings:
-                continue  # tied: the head is the embedding
-            if name not in expected:
-                raise ValueError(f"checkpoint tensor {name!r} is not part of {model.shape.architecture}")
-            if tuple(tensor.shape) != expected[name]:
-                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {expected[name]}")
-            param_name, shard_id = model.checkpoint_to_parameter(name)
-            param = params[param_name]
-            if shard_id is None:
-                param.weight_loader(param, tensor)
-            else:
-                param.weight_loader(param, tensor, shard_id)
+    for name, tensor in _with_aliases(named_tensors, aliases):
+        target = weight_target(model, params, expected, name, tuple(tensor.shape))
+        if target is not None:
+            load_into(target, tensor)
             seen.add(name)
     missing = sorted(set(expected) - seen)
     if missing:
         more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
         raise ValueError(f"checkpoint is missing {len(missing)} tensors of {model.shape.architecture}: "
                          f"{', '.join(missing[:3])}{more}")
+
+
+def plan_update(model: CausalLM, named_shapes: Iterable[tuple[str, tuple[int, ...]]],
+                aliases: dict[str, str] | None = None) -> dict[str, WeightTarget]:
+    """HF name -> target for an in-place update of some of the weights, every name and shape checked
+    first (ValueError naming the first bad one), so a bad batch changes nothing."""
+    expected = model.checkpoint_shapes()
+    params = dict(model.named_parameters())
+    targets: dict[str, WeightTarget] = {}
+    for name, shape in _with_aliases(named_shapes, aliases):
+        target = weight_target(model, params, expected, name, tuple(shape))
+        if target is not None:
+            targets[name] = target
+    return targets
+
+
+@torch.no_grad()
+def apply_update(targets: dict[str, WeightTarget], named_tensors: Iterable[tuple[str, torch.Tensor]],
+                 aliases: dict[str, str] | None = None) -> int:
+    """Copy each tensor of a batch `plan_update` checked into its parameter; the number of tensors copied."""
+    copied = 0
+    for name, tensor in _with_aliases(named_tensors, aliases):
+        target = targets.get(name)
+        if target is not None:
+            load_into(target, tensor)
+            copied += 1
+    return copied
+
+
+def head_aliases(model: CausalLM, names: set[str]) -> dict[str, str] | None:
+    """An untied model whose checkpoint has no `lm_head.weight` gets the embedding as its head."""
+    if model.shape.tie_word_embeddings or "lm_head.weight" in names or "model.embed_tokens.weight" not in names:
+        return None
+    return {"model.embed_tokens.weight": "lm_head.weight"}
 
 
 def _check_shard_name(root: Path, name: object) -> None:
@@ -91,32 +154,37 @@ def safetensors_files(checkpoint_dir: str | Path) -> list[Path]:
     return files
 
 
-def _stream_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def stream_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the files, one in memory at a time."""
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as handle:
             for name in handle.keys():
                 yield name, handle.get_tensor(name)
 
 
-def _tensor_names(files: list[Path]) -> set[str]:
-    names: set[str] = set()
+def tensor_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor of the files, from their headers (no tensor is read)."""
+    shapes: dict[str, tuple[int, ...]] = {}
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as handle:
-            names.update(handle.keys())
-    return names
+            for name in handle.keys():
+                shapes[name] = tuple(handle.get_slice(name).get_shape())
+    return shapes
 
 
 @torch.no_grad()
-def load_safetensors_weights(model: CausalLM, checkpoint_dir: str | Path) -> None:
+def load_safetensors_weights(model: CausalLM, checkpoint_dir: str | Path) -> dict[str, str] | None:
     """Load an HF safetensors checkpoint (single file or sharded), one tensor in memory at a time.
 
-    An untied model whose checkpoint has no `lm_head.weight` gets the embedding as its head.
+    An untied model whose checkpoint has no `lm_head.weight` gets the embedding as its head: the
+    aliases returned (None: none), which an in-place update of the embedding applies again.
     """
     files = safetensors_files(checkpoint_dir)
     aliases = None
-    if not model.shape.tie_word_embeddings and "lm_head.weight" not in _tensor_names(files):
-        aliases = {"model.embed_tokens.weight": "lm_head.weight"}
-    load_weights(model, _stream_safetensors(files), aliases)
+    if not model.shape.tie_word_embeddings:
+        aliases = head_aliases(model, set(tensor_shapes(files)))
+    load_weights(model, stream_safetensors(files), aliases)
+    return aliases
 
 
 def _dummy_tensors(

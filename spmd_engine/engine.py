@@ -10,7 +10,8 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ from spmd_engine.config import ConfigError, EngineConfig
 from spmd_engine.core.plan import COMMAND_STOP
 from spmd_engine.core.requests import PolledRequests, PromptRequest, RequestOutput
 from spmd_engine.core.scheduler import Scheduler, SchedulerConfig
-from spmd_engine.distributed import RankInfo, Replica, gather_errors, make_replica
+from spmd_engine.distributed import RankInfo, Replica, all_reduce_min, gather_errors, make_replica
 from spmd_engine.executor.kv_cache import CudaMemoryBudget, KVCacheSpec, KVCapacity, planned_num_blocks
 from spmd_engine.executor.model_runner import ModelRunner, RunnerSettings
 from spmd_engine.executor.model_source import ModelSource, resolve_model_source
@@ -187,10 +188,11 @@ class Engine:
                 model = agreed(lambda: build_model(self.source.hf_config, tp, backend))
         finally:
             torch.set_default_dtype(previous_dtype)
+        self.weight_aliases: dict[str, str] | None = None  # the head loaded from the embedding (update_weights)
         if self.source.checkpoint_dir is None:
             load_dummy_weights(model, cfg.seed)
         else:
-            load_safetensors_weights(model, self.source.checkpoint_dir)
+            self.weight_aliases = load_safetensors_weights(model, self.source.checkpoint_dir)
         model.eval()
         set_small_batch_gemv(model, cfg.debug.small_batch_gemv)
         use_attention_backend(model, select_attention_backend(backend, self.device, cfg.kv_cache_dtype,
@@ -272,6 +274,8 @@ class Engine:
         this replica). `keep_outputs=False` returns [] on the leader too:
         the outputs go to `on_finish` only, so a job of any size holds only the requests in flight.
         `token_text(id)`: one token's text, for the alternatives of logprobs (None: decode([id]))."""
+        if self.runner.is_asleep:  # every rank alike: sleep is collective
+            raise ConfigError("the engine is asleep (LLM.sleep): call wake_up() before generating")
         if not self.replica.is_leader:
             self._follow_plans()
             return []
@@ -303,6 +307,80 @@ class Engine:
             self.step_progress.step(plan.step)
             self.runner.execute(plan)
 
+    # --- in-place weight updates, sleep and wake-up (RL loops) ----------------------------------
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy (HF name, FULL tensor) pairs into this rank's shards in place, as the loader does at start-up
+        (TP slicing, q/k/v and gate/up packing, the tied head, dtype cast); returns the tensors copied.
+
+        Collective: every rank passes the same names. Every name and shape is checked on every rank before
+        anything is copied, and a bad one raises the same one-line ConfigError everywhere, weights untouched.
+        In place, so the CUDA graphs stay valid; the prefix cache is reset (its KV came from the old weights).
+        """
+        from spmd_engine.models.loader import apply_update, head_aliases, plan_update
+
+        batch = list(named_tensors)
+        aliases = None
+        if self.weight_aliases:  # the head was the embedding's copy at load: it follows the embedding
+            aliases = head_aliases(self.model, {item[0] for item in batch if isinstance(item, tuple) and item})
+        targets = agreed(lambda: plan_update(self.model, _named_shapes(batch), aliases))
+        return self._applied(lambda: apply_update(targets, batch, aliases))
+
+    def update_weights_from_path(self, path: str | Path) -> int:
+        """`update_weights` with every tensor of a safetensors checkpoint dir (single file, sharded with its
+        index, or every *.safetensors), read one tensor at a time; names and shapes come from the files'
+        headers and are checked before anything is read. Collective."""
+        from spmd_engine.models.loader import (apply_update, head_aliases, plan_update, safetensors_files,
+                                               stream_safetensors, tensor_shapes)
+
+        def planned():
+            files = safetensors_files(path)
+            shapes = tensor_shapes(files)
+            aliases = head_aliases(self.model, set(shapes))
+            return files, aliases, plan_update(self.model, shapes.items(), aliases)
+
+        files, aliases, targets = agreed(planned)
+        return self._applied(lambda: apply_update(targets, stream_safetensors(files), aliases))
+
+    def _applied(self, copy: Callable[[], int]) -> int:
+        started = time.perf_counter()
+        copied = copy()
+        if self.device.type == "cuda":  # a source on the device is copied on the stream: done before any step
+            torch.cuda.synchronize(self.device)
+        self.runner.weights_changed()
+        self.reset_prefix_cache()
+        log.info("weights: %d tensors updated in place in %.2f s", copied, time.perf_counter() - started)
+        return copied
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix block (the replica's leader holds them); the others have none."""
+        if self.scheduler is not None:
+            self.scheduler.block_manager.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Give the device memory back: level 1 frees the KV cache, level 2 also moves the weights to host
+        memory. Collective. generate raises until `wake_up`; update_weights works while asleep."""
+        if level not in (1, 2):
+            raise ConfigError(f"sleep level must be 1 (free the KV cache) or 2 (and move the weights to host), "
+                              f"got {level!r}")
+        if self.runner.is_asleep:
+            raise ConfigError("the engine is asleep already: call wake_up() first")
+        self.runner.sleep(offload_weights=level == 2)
+
+    def wake_up(self) -> None:
+        """Undo `sleep`: the weights back on the device, a KV cache of the same size (the CUDA graphs captured
+        again where an address moved), the prefix cache reset. Collective; nothing to do when awake.
+        If the memory is not there, every rank raises the same one-line ConfigError and stays asleep."""
+        if not self.runner.is_asleep:
+            return
+        try:
+            agreed(self.runner.reclaim_memory)
+        except ConfigError:
+            self.runner.sleep(offload_weights=False)  # what this rank got back goes again: every rank asleep alike
+            raise
+        # one rank's cache may come back at its old address and another's not: they capture together
+        self.runner.refresh_after_wake(recapture=all_reduce_min(0 if self.runner.graphs_stale else 1) == 0)
+        self.reset_prefix_cache()
+
     def close(self) -> None:
         gc.unfreeze()  # the model holds reference cycles (parameters' weight loaders): let them go
         self.runner.close()  # the graphs that replay the symmetric-memory kernels go first
@@ -316,3 +394,13 @@ def new_scheduler(cfg: EngineConfig, max_model_len: int, num_blocks: int, eos_to
     return Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, max_model_len, cfg.block_size,
                                      num_blocks, cfg.enable_prefix_caching, cfg.max_prompt_tokens_per_mixed_step),
                      set(eos_token_ids))
+
+
+def _named_shapes(batch: list) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of each (HF name, tensor) pair; ValueError for anything else."""
+    for item in batch:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+                and isinstance(item[1], torch.Tensor)):
+            shown = repr(item) if len(repr(item)) <= 60 else repr(item)[:60] + "..."
+            raise ValueError(f"update_weights takes (HF checkpoint name, tensor) pairs, got {shown}")
+        yield item[0], tuple(item[1].shape)

@@ -192,6 +192,28 @@ class LLM:
             destroy_process_group()
             self._owns_group = False
 
+    # --- RL loops: new weights in place, device memory handed back between rounds --------------
+    def update_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
+        """Load (HF checkpoint name, full tensor) pairs into the running engine, in place: each rank keeps its
+        TP shard, cast to the engine's dtype, as at start-up; any subset of the checkpoint's tensors. The CUDA
+        graphs stay valid; the prefix cache is reset. A name or shape that does not match raises a one-line
+        ConfigError before anything is copied. Collective: every rank passes the same names."""
+        self._engine.update_weights(named_tensors)
+
+    def update_weights_from_path(self, path: str | Path) -> None:
+        """`update_weights` with the tensors of a safetensors checkpoint directory. Collective."""
+        self._engine.update_weights_from_path(path)
+
+    def sleep(self, level: int = 1) -> None:
+        """Hand the device memory back until `wake_up`: level 1 frees the KV cache, level 2 also moves the
+        weights to host memory. generate raises while asleep; update_weights works. Collective."""
+        self._engine.sleep(level)
+
+    def wake_up(self) -> None:
+        """Weights and KV cache back on the device (CUDA graphs captured again where an address moved), the
+        prefix cache reset. Collective."""
+        self._engine.wake_up()
+
     # --- rank 0 builds the requests; every rank runs them ------------------------------------
     def _request(self, index: int, prompt: Prompt, params: SamplingParams | None) -> PromptRequest:
         request = PromptRequest(index, None, None, _overrides(params))

@@ -237,3 +237,16 @@ class BlockManager:
                     self._free.move_to_end(block_id, last=False)
         seq.block_table = []
         self._chain.pop(seq.seq_id, None)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every registered block hash, so no later admission reuses KV computed before now (new
+        weights, or a cache freed and allocated again); returns how many were dropped. Reference counts,
+        tables and the hit counters stay: a sequence still holding blocks keeps them, but registers none
+        of its later blocks either (their KV reads its earlier, stale blocks; hashes depend on tokens only)."""
+        dropped = len(self._hash_to_block)
+        for block in self.blocks:
+            block.hash, block.parent_hash, block.token_ids = None, None, ()
+        self._hash_to_block.clear()
+        for seq_id in self._chain:  # a chain length no sequence reaches: `cache_full_blocks` registers nothing
+            self._chain[seq_id] = (1 << 62, None)
+        return dropped

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from spmd_engine.config import ConfigError
 from spmd_engine.models.model_config import ModelShape
 from spmd_engine.distributed import Replica, all_reduce_min, broadcast_tensor, is_distributed
 from spmd_engine.executor.cuda_graphs import PDL_MAX_ROWS, DecodeGraphs, graph_batch_sizes
@@ -69,7 +70,7 @@ class ModelRunner:
         # launch without it. CPU: nothing to set (no Triton launch but the interpreter's; Triton not imported)
         self.pdl = False  # whether this rank's small decode graphs launch their Triton kernels with PDL
         if device.type == "cuda":
-            from spmd_engine.kernels.pdl import pdl_supported, set_pdl
+            from spmd_engine.kernels.pdl import set_pdl
 
             set_pdl(False)  # whatever an earlier engine or caller in this process asked for
         self.model = model
@@ -88,9 +89,9 @@ class ModelRunner:
         self.num_blocks = all_reduce_min(self._fit_num_blocks())
         # [num_layers, 2 (K, V), num_kv_heads] float32 with an fp8 cache; every rank calibrates (TP collectives)
         self.kv_scales: torch.Tensor | None = None
+        self.calibration_tokens = min(FP8_CALIBRATION_TOKENS, settings.max_model_len, settings.max_num_batched_tokens)
         if self.spec.is_fp8:
-            calibration_tokens = min(FP8_CALIBRATION_TOKENS, settings.max_model_len, settings.max_num_batched_tokens)
-            self.kv_scales = calibrate_fp8_kv_scales(model, shape.vocab_size, calibration_tokens, device)
+            self.kv_scales = calibrate_fp8_kv_scales(model, shape.vocab_size, self.calibration_tokens, device)
             if device.type == "cuda":  # hand the calibration's activations back before the pool is carved out
                 torch.cuda.empty_cache()
         self.kv_caches = allocate_kv_cache(self.spec, self.num_blocks, device)
@@ -109,19 +110,33 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None  # mixed and prefill steps
         self.sampler_graphs: SamplerGraphs | None = None  # the sampling rank's draws of decode steps
+        # sleep(): the weights' host copies while they are off the device (None: on it); weights_changed()
+        # while the cache is gone leaves the fp8 scales to recalibrate at wake_up
+        self.host_weights: list[tuple[torch.nn.Parameter, torch.Tensor]] | None = None
+        self.scales_stale = False
+        self.graphs_stale = False  # the weights or the cache moved since the graphs were captured
+        self._slept_kv_address: int | None = None
         # a pool smaller than one sequence is refused by the engine right after this; capture nothing
         if self.use_graphs and self.num_blocks * settings.block_size >= settings.max_model_len:
-            pool = torch.cuda.graph_pool_handle()  # one pool: the decode graphs' logits first, then the pieces
-            self.graphs = DecodeGraphs.capture(model, self.inputs, settings.max_num_seqs, self.feed, pool,
-                                               PDL_MAX_ROWS if settings.cuda_pdl else 0)
-            self.pdl = settings.cuda_pdl and pdl_supported(device)
-            static_logits = self.graphs.static_logits()  # empty on the ranks that do not sample
-            if settings.sampler_graphs and static_logits:  # their own pool: see SamplerGraphs.capture
-                self.sampler_graphs = SamplerGraphs.capture(static_logits, out=self.feed)
-            self.piecewise = PiecewiseGraphs.capture(model, self.inputs, settings.max_num_seqs,
-                                                     piecewise_token_buckets(settings.max_num_batched_tokens),
-                                                     CudaGraphCapture(pool))
+            self._capture_graphs()
         self._compile_step_kernels()
+
+    def _capture_graphs(self) -> None:
+        """The decode, sampler and piecewise CUDA graphs over the model's weights and KV cache as they are
+        now (their addresses are baked in: see `reclaim_memory`)."""
+        from spmd_engine.kernels.pdl import pdl_supported
+
+        settings, model = self.settings, self.model
+        pool = torch.cuda.graph_pool_handle()  # one pool: the decode graphs' logits first, then the pieces
+        self.graphs = DecodeGraphs.capture(model, self.inputs, settings.max_num_seqs, self.feed, pool,
+                                           PDL_MAX_ROWS if settings.cuda_pdl else 0)
+        self.pdl = settings.cuda_pdl and pdl_supported(self.device)
+        static_logits = self.graphs.static_logits()  # empty on the ranks that do not sample
+        if settings.sampler_graphs and static_logits:  # their own pool: see SamplerGraphs.capture
+            self.sampler_graphs = SamplerGraphs.capture(static_logits, out=self.feed)
+        self.piecewise = PiecewiseGraphs.capture(model, self.inputs, settings.max_num_seqs,
+                                                 piecewise_token_buckets(settings.max_num_batched_tokens),
+                                                 CudaGraphCapture(pool))
 
     # --- sizing -------------------------------------------------------------------------
     def _fit_num_blocks(self) -> int:
@@ -324,8 +339,7 @@ class ModelRunner:
         """The end of a generate call: forget the tables of the sequences it ran."""
         self.mirror.apply(plan)
 
-    def close(self) -> None:
-        """Free CUDA graphs before the process group goes (NCCL hangs on destroy otherwise)."""
+    def _release_graphs(self) -> None:
         if self.sampler_graphs is not None:
             self.sampler_graphs.close()
             self.sampler_graphs = None
@@ -335,10 +349,112 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.close()
             self.graphs: DecodeGraphs | None = None
+
+    # --- weights replaced in place, sleep and wake-up ---------------------------------------
+    @property
+    def is_asleep(self) -> bool:
+        """The KV cache is freed (or the weights are on the host): no step can run."""
+        return not self.kv_caches or self.host_weights is not None
+
+    def weights_changed(self) -> None:
+        """After the weights were copied in place: the fp8 KV scales depend on them, so they are calibrated
+        again (collective under TP, like at start-up) and copied into the tensors the graphs read; while
+        asleep, at wake_up."""
+        if self.kv_scales is None:
+            return
+        if self.is_asleep:
+            self.scales_stale = True
+            return
+        caches = self.kv_caches
+        self.model.bind_kv_cache([(None, None)] * len(caches))  # the calibration forward stores nothing
+        try:
+            scales = calibrate_fp8_kv_scales(self.model, self.shape.vocab_size, self.calibration_tokens, self.device)
+        finally:
+            self.model.bind_kv_cache(caches)
+        self.kv_scales.copy_(scales)
+        self.scales_stale = False
+
+    def sleep(self, offload_weights: bool) -> None:
+        """Free the KV cache and, with `offload_weights`, move every parameter to host memory (pinned on
+        CUDA), giving the device memory back to the process (the CUDA graphs are kept: `reclaim_memory`)."""
+        self.model.bind_kv_cache([(None, None)] * len(self.model.attention_layers()))
+        self._slept_kv_address = self.kv_caches[0][0].data_ptr() if self.kv_caches else None
+        self.kv_caches = []
+        if offload_weights and self.host_weights is None:
+            self.host_weights = offload_parameters(self.model)
+        self._give_back_memory()
+
+    def reclaim_memory(self) -> None:
+        """The first half of waking up: the weights back on the device and a new KV cache of the same shape
+        (its contents are garbage: the prefix cache must be reset). ConfigError (one line) if the memory is
+        not there. A CUDA graph replays the addresses it was captured with: `graphs_stale` says whether
+        one moved (the cache rarely comes back at its old address)."""
+        if self.host_weights is not None:
+            restore_parameters(self.host_weights, self.device)
+            self.host_weights, self.graphs_stale = None, True
+        if not self.kv_caches:
+            self.kv_caches = _allocated_or_config_error(self.spec, self.num_blocks, self.device)
+            self.model.bind_kv_cache(self.kv_caches)
+            self.graphs_stale |= self.kv_caches[0][0].data_ptr() != self._slept_kv_address
+
+    def refresh_after_wake(self, recapture: bool) -> None:
+        """The second half (collective under TP): the graphs captured again if `recapture` (some rank's
+        `graphs_stale`), the fp8 scales calibrated if the weights changed while asleep."""
+        if recapture and self.graphs is not None:
+            self._release_graphs()
+            self._capture_graphs()
+        self.graphs_stale = False
+        if self.scales_stale:
+            self.weights_changed()
+
+    def _give_back_memory(self) -> None:
+        if self.device.type == "cuda":
+            gc.collect()
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+    def close(self) -> None:
+        """Free CUDA graphs before the process group goes (NCCL hangs on destroy otherwise)."""
+        self._release_graphs()
         self.inputs = None
-        self.model.bind_kv_cache([(None, None)] * len(self.kv_caches))
+        self.model.bind_kv_cache([(None, None)] * len(self.model.attention_layers()))
         bind_kv_scales(self.model, None)
         self.kv_caches = []
         if self.device.type == "cuda":
             gc.collect()
             torch.cuda.empty_cache()
+
+
+def offload_parameters(model: torch.nn.Module) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+    """Every parameter's data moved to host memory (pinned on CUDA, for the copy back); a tied parameter
+    once. The Parameter objects stay, so an in-place weight update while asleep lands in the host copy."""
+    moved = []
+    for param in model.parameters():  # deduplicated: the tied head is the embedding's parameter
+        host = torch.empty(param.shape, dtype=param.dtype, device="cpu", pin_memory=param.is_cuda)
+        host.copy_(param.data)
+        moved.append((param, host))
+        param.data = host
+    return moved
+
+
+def restore_parameters(moved: list[tuple[torch.nn.Parameter, torch.Tensor]], device: torch.device) -> None:
+    for param, host in moved:
+        try:
+            param.data = host.to(device, non_blocking=True)
+        except torch.OutOfMemoryError:
+            raise _wake_up_oom("the weights") from None
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _allocated_or_config_error(spec: KVCacheSpec, num_blocks: int, device: torch.device
+                               ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    try:
+        return allocate_kv_cache(spec, num_blocks, device)
+    except torch.OutOfMemoryError:
+        gib = num_blocks * spec.bytes_per_block / (1 << 30)
+        raise _wake_up_oom(f"the KV cache ({num_blocks} blocks, {gib:.2f} GiB)") from None
+
+
+def _wake_up_oom(what: str) -> ConfigError:
+    return ConfigError(f"wake_up: {what} no longer fit in device memory; free memory and call wake_up() again")
