@@ -294,7 +294,8 @@ def _render_chat(request: PromptRequest, tokenizer, job_kwargs: dict[str, Any] |
 
 def tokenize(requests: list[PromptRequest], tokenizer, chat_template: bool,
              chat_template_kwargs: dict[str, Any] | None = None) -> list[PromptRequest]:
-    """Fill `prompt_token_ids` of text requests in place (chat template: one user turn + generation prompt).
+    """Fill `prompt_token_ids` of text requests in place (chat template: one user turn + generation prompt;
+    never for an OpenAI batch /v1/completions line, whose prompt is taken as written).
 
     A `messages` request is rendered by the chat template first (its `prompt` becomes the rendered
     text); a template error is that request's error. Requests that already have ids or an error are
@@ -315,7 +316,9 @@ def tokenize(requests: list[PromptRequest], tokenizer, chat_template: bool,
                                 f"{': ' if detail else ''}{_short(detail, 160)})"
         else:
             try:
-                request.prompt_token_ids = _encode(request.prompt, tokenizer, chat_template)
+                # an OpenAI /v1/completions line takes its prompt as written (vLLM's run-batch)
+                templated = chat_template and request.api != "completions"
+                request.prompt_token_ids = _encode(request.prompt, tokenizer, templated)
             except Exception as exc:  # a tokenizer bug on one odd text fails that request, not the job
                 detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
                 request.error = f"prompt could not be tokenized ({type(exc).__name__}{': ' if detail else ''}" \

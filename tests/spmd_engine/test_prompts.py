@@ -111,6 +111,23 @@ def test_tokenize_chat_template_and_plain(smollm2_dir):
     assert all(r.error is None for r in (chat, ids, plain))
 
 
+def test_an_openai_completions_prompt_is_taken_as_written(tmp_path):
+    """vLLM's run-batch: /v1/completions takes the prompt as written, /v1/chat/completions gets the template."""
+    from tests.helpers.tiny_checkpoints import make_tiny_checkpoint
+
+    tokenizer = load_tokenizer(make_tiny_checkpoint(tmp_path / "ckpt"))
+    body = {"prompt": "Once upon", "max_tokens": 4}
+    lines = [{"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": body},
+             {"custom_id": "m", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"messages": [{"role": "user", "content": "Once upon"}]}},
+             {"prompt": "Once upon"}]
+    cmpl, chat, own = tokenize(read_prompts(None, _write_lines(tmp_path / "p.jsonl", map(json.dumps, lines))),
+                               tokenizer, chat_template=True)
+    assert cmpl.prompt_token_ids == tokenizer.encode("Once upon") and cmpl.prompt == "Once upon"
+    assert tokenizer.decode(chat.prompt_token_ids) == "user: Once upon\nassistant: "
+    assert own.prompt_token_ids == chat.prompt_token_ids  # our own text lines keep chat_template=true
+
+
 def test_validate_prompt():
     assert validate_prompt([], 100, 10) == "prompt is empty"
     assert validate_prompt([1, 2, 3, 99999], 49152, 10) == \
