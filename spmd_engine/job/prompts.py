@@ -199,7 +199,10 @@ def iter_jsonl(path: Path) -> Iterator[PromptRequest]:
     Lines end at LF, CRLF or CR (never at U+2028 or U+0085, which JSON strings may hold); a UTF-8
     byte order mark at the start of the file is skipped; blank lines are skipped (not requests).
     """
+    from spmd_engine.job.openai_batch import CustomIds
+
     index = 0
+    custom_ids = CustomIds()
     for line_no, raw in enumerate(_raw_lines(path), start=1):
         where = f"prompts_file line {line_no}"
         try:
@@ -210,7 +213,12 @@ def iter_jsonl(path: Path) -> Iterator[PromptRequest]:
             index += 1
             continue
         if text.strip():
-            yield _parse_line(text, index, where)
+            request = _parse_line(text, index, where)
+            duplicate = custom_ids.duplicate(request.custom_id, line_no)
+            if duplicate is not None:
+                request = PromptRequest(index, None, None, {}, f"{where}: {duplicate}", custom_id=request.custom_id,
+                                        api=request.api)
+            yield request
             index += 1
 
 

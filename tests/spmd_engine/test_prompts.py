@@ -128,6 +128,22 @@ def test_an_openai_completions_prompt_is_taken_as_written(tmp_path):
     assert own.prompt_token_ids == chat.prompt_token_ids  # our own text lines keep chat_template=true
 
 
+def test_a_repeated_custom_id_is_an_error_row(tmp_path):
+    """The OpenAI batch format requires unique custom_ids: the first line runs, each repeat is an error row
+    that names its line, the id and the line that used it first."""
+    def line(custom_id, prompt):
+        return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
+                           "body": {"prompt": prompt}})
+
+    lines = [line("a", "first"), line("b", "other"), line("a", "again"), line("a", "third"), line("c", "last")]
+    requests = read_prompts(None, _write_lines(tmp_path / "p.jsonl", lines))
+    assert [r.custom_id for r in requests] == ["a", "b", "a", "a", "c"]
+    assert [r.prompt for r in requests] == ["first", "other", None, None, "last"]
+    assert [r.error for r in requests] == [None, None, *[
+        f"prompts_file line {n}: duplicate custom_id 'a' (first on line 1); custom_ids must be unique in a batch file"
+        for n in (3, 4)], None]
+
+
 def test_validate_prompt():
     assert validate_prompt([], 100, 10) == "prompt is empty"
     assert validate_prompt([1, 2, 3, 99999], 49152, 10) == \
