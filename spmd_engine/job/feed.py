@@ -67,6 +67,23 @@ class RequestFeed:
     def sampling_for(self, request: PromptRequest) -> dict:
         return {**vars(self.cfg.sampling), **request.overrides}
 
+    def where(self, index: int) -> str | None:
+        """Where request `index` was written, as its error rows name it (line N of a prompts file is
+        request N - 1), or None for requests the job made itself (the built-in prompts, a benchmark)."""
+        if self.cfg.workload.name == "bench":
+            return None
+        if self.cfg.prompts_file is not None:
+            return f"prompts_file line {index + 1}"
+        return f"prompts[{index}]" if self.cfg.prompts is not None else None
+
+    def located(self, row: dict) -> dict:
+        """`row` with its error naming the request's line: errors found after reading (tokenizing, the
+        engine's checks of length, vocabulary and sampling) say where as those of the reader do."""
+        where, error = self.where(row["index"]), row.get("error")
+        if error and where and not error.startswith(f"{where}: "):
+            row["error"] = f"{where}: {error}"
+        return row
+
     def sampling_of(self, index: int) -> dict | None:
         """The sampling of a request handed out, once (for its row)."""
         return self._sampling.pop(index, None)

@@ -182,6 +182,7 @@ class _RowSink:
     writer: OutputsWriter | None
     bar: Any
     shown: list[dict] | None
+    located: Callable[[dict], dict] = lambda row: row  # the row with its error naming the request's line
     stats: RunningStats = field(default_factory=RunningStats)  # rank 0's own replica
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -191,6 +192,7 @@ class _RowSink:
         self.row(out.to_json())
 
     def row(self, row: dict) -> None:
+        row = self.located(row)
         with self.lock:
             if self.writer is not None:
                 self.writer.write_row(row)
@@ -297,7 +299,7 @@ def _lead(llm: LLM, cfg: EngineConfig, feed: RequestFeed, writer: OutputsWriter 
     if cfg.workload.name == "bench" and cfg.workload.params.get("warmup", True):
         run_bench_warmup(llm)
     sink = _RowSink(writer, _progress_bar(feed.remaining),
-                    [] if cfg.workload.name == "chat" and feed.remaining <= PRINT_LIMIT else None)
+                    [] if cfg.workload.name == "chat" and feed.remaining <= PRINT_LIMIT else None, feed.located)
     replicas = llm.engine.replica.count
     dispatcher = Dispatcher(board, feed.chunks(), replicas, sink.row) if board is not None else None
     requests = ClaimedRequests(board, replicas, dispatcher.check) if dispatcher is not None else feed

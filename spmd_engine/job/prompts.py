@@ -193,48 +193,63 @@ def _raw_lines(path: Path) -> Iterator[bytes]:
 
 
 def iter_jsonl(path: Path) -> Iterator[PromptRequest]:
-    """One request per non-blank line, each line decoded and parsed on its own as it is reached: no line
-    can fail another, and a file of any size is read in bounded memory.
+    """One request per line, each line decoded and parsed on its own as it is reached: no line can fail
+    another, and a file of any size is read in bounded memory. Line N is request N - 1 (its `index`).
 
     Lines end at LF, CRLF or CR (never at U+2028 or U+0085, which JSON strings may hold); a UTF-8
-    byte order mark at the start of the file is skipped; blank lines are skipped (not requests).
+    byte order mark at the start of the file is skipped. A blank line is an error row (so no later line
+    shifts from its index), except blank lines at the end of the file, which are no lines at all.
     """
     from spmd_engine.job.openai_batch import CustomIds
 
-    index = 0
     custom_ids = CustomIds()
+    first_blank: int | None = None  # the first of the blank lines just read (rows once a request follows)
     for line_no, raw in enumerate(_raw_lines(path), start=1):
-        where = f"prompts_file line {line_no}"
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            yield PromptRequest(index, None, None, {}, f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} at byte "
-                                                       f"{e.start + 1}); save the file as UTF-8")
-            index += 1
+        if _is_blank(raw):
+            first_blank = line_no if first_blank is None else first_blank
             continue
-        if text.strip():
-            request = _parse_line(text, index, where)
-            duplicate = custom_ids.duplicate(request.custom_id, line_no)
-            if duplicate is not None:
-                request = PromptRequest(index, None, None, {}, f"{where}: {duplicate}", custom_id=request.custom_id,
-                                        api=request.api)
-            yield request
-            index += 1
+        for blank in range(first_blank or line_no, line_no):
+            yield PromptRequest(blank - 1, None, None, {}, f"prompts_file line {blank}: the line is blank "
+                                                           "(each line is one request)")
+        first_blank = None
+        yield _read_line(raw, line_no, custom_ids)
+
+
+def _read_line(raw: bytes, line_no: int, custom_ids) -> PromptRequest:
+    """Line `line_no` (not blank) as request `line_no - 1`; a problem is its error, prefixed with the line."""
+    index, where = line_no - 1, f"prompts_file line {line_no}"
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return PromptRequest(index, None, None, {}, f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} at byte "
+                                                    f"{e.start + 1}); save the file as UTF-8")
+    request = _parse_line(text, index, where)
+    duplicate = custom_ids.duplicate(request.custom_id, line_no)
+    if duplicate is not None:
+        request = PromptRequest(index, None, None, {}, f"{where}: {duplicate}", custom_id=request.custom_id,
+                                api=request.api)
+    return request
+
+
+BLANK_CHECK_BYTES = 4096  # a longer line is never taken for blank (not decoded to look: it is an error row anyway)
 
 
 def _is_blank(raw: bytes) -> bool:
-    """Whether iter_jsonl skips the line, without decoding long lines (a request is never only blanks
-    after its first bytes; short lines may be Unicode blanks such as U+00A0)."""
+    """Whether a line holds only blanks (Unicode ones such as U+00A0 too), without decoding long lines."""
     stripped = raw.strip()
     if not stripped:
         return True
-    return len(stripped) <= 16 and not raw.decode("utf-8", errors="replace").strip()
+    return len(stripped) <= BLANK_CHECK_BYTES and not stripped.decode("utf-8", errors="replace").strip()
 
 
 def count_jsonl_requests(path: Path) -> int:
-    """How many requests iter_jsonl(path) yields, by a scan of the bytes (no JSON parsing): the progress
-    bar's total, known before the first request runs."""
-    return sum(1 for raw in _raw_lines(path) if not _is_blank(raw))
+    """How many requests iter_jsonl(path) yields (the lines up to the last one that is not blank), by a
+    scan of the bytes (no JSON parsing): the progress bar's total, known before the first request runs."""
+    last = 0
+    for line_no, raw in enumerate(_raw_lines(path), start=1):
+        if not _is_blank(raw):
+            last = line_no
+    return last
 
 
 def _read_jsonl(path: Path) -> list[PromptRequest]:

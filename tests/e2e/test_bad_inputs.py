@@ -42,6 +42,8 @@ def test_each_bad_request_fails_alone_with_one_line(tiny_qwen3: Path, tmp_path: 
     for row, (_, words) in zip(bad, BAD_REQUESTS):
         assert row["finish_reason"] == "error" and row["token_ids"] == [], row
         assert "\n" not in row["error"] and all(w in row["error"] for w in words), (row["error"], words)
+        # the reader's errors and the engine's (length, vocabulary, sampling) alike name the line
+        assert row["error"].startswith(f"prompts_file line {row['index'] + 1}: "), row["error"]
     metrics = read_metrics(job_dir)
     assert metrics["status"] == "ok" and metrics["num_errors"] == len(BAD_REQUESTS)
 
@@ -105,9 +107,13 @@ def test_a_file_of_hostile_lines_fails_only_those_requests(tiny_qwen3: Path, tmp
                tmp_path, timeout_s=120).check()
 
     out = read_outputs(job_dir)
-    assert len(out) == len(HOSTILE) + len(GOOD_LINES)
+    assert len(out) == len(lines)  # line N is row N - 1: a blank line is an error row, nothing shifts
+    blank = [row for row in out if row["error"] is not None and "the line is blank" in row["error"]]
+    assert [row["index"] for row in blank] == [1, 9]
+    assert all(row["error"].startswith(f"prompts_file line {row['index'] + 1}: ") for row in out if row["error"])
+    out = [row for row in out if row not in blank]
     good = [row for row in out if row["error"] is None]
-    assert [row["index"] for row in good] == [0, 7, len(out) - 1]
+    assert [row["index"] for row in good] == [0, 8, len(lines) - 1]
     assert [(row["finish_reason"], len(row["token_ids"])) for row in good] == [("length", 4), ("length", 4),
                                                                               ("length", 3)]
     assert good[1]["prompt"] == "a\x85b\u2028"  # NEL and LINE SEPARATOR: one line (JSON strings may hold them)
@@ -120,4 +126,4 @@ def test_a_file_of_hostile_lines_fails_only_those_requests(tiny_qwen3: Path, tmp
     assert len(huge["prompt_token_ids"]) == 64 and huge["prompt_num_tokens"] > len(HUGE_PROMPT) // 4
     assert (job_dir / "outputs.jsonl").stat().st_size < 20_000
     metrics = read_metrics(job_dir)
-    assert metrics["status"] == "ok" and metrics["num_errors"] == len(HOSTILE)
+    assert metrics["status"] == "ok" and metrics["num_errors"] == len(HOSTILE) + len(blank)

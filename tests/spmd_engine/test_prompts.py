@@ -62,12 +62,13 @@ def test_jsonl_bad_lines_get_errors_and_good_lines_survive(tmp_path):
         "   ",
         json.dumps({"prompt_token_ids": [4, 5, 6], "ignore_eos": True, "top_p": 1, "seed": None}),
     ]
-    requests = read_prompts(None, _write_lines(tmp_path / "p.jsonl", lines))
-    assert [r.index for r in requests] == list(range(len(requests)))
+    requests = read_prompts(None, _write_lines(tmp_path / "p.jsonl", lines + ["", "  "]))  # blank at the end: no rows
+    assert [r.index for r in requests] == list(range(len(lines)))  # line N is request N - 1, blank lines too
     assert requests[0] == PromptRequest(0, "hello", None, {"temperature": 0.5, "max_tokens": 7, "seed": 3})
-    assert requests[-1] == PromptRequest(15, None, [4, 5, 6], {"ignore_eos": True, "top_p": 1, "seed": None})
+    assert requests[-1] == PromptRequest(17, None, [4, 5, 6], {"ignore_eos": True, "top_p": 1, "seed": None})
     errors = [r.error for r in requests[1:-1]]
     assert errors == [
+        "prompts_file line 2: the line is blank (each line is one request)",
         "prompts_file line 3: invalid JSON (Expecting property name enclosed in double quotes at column 2)",
         "prompts_file line 4: expected a JSON object, got list",
         "prompts_file line 5: give exactly one of 'prompt', 'prompt_token_ids' or 'messages'",
@@ -85,6 +86,7 @@ def test_jsonl_bad_lines_get_errors_and_good_lines_survive(tmp_path):
         "prompts_file line 14: 'ignore_eos' must be true or false, got int",
         "prompts_file line 15: prompt is empty",
         "prompts_file line 16: prompt is empty",
+        "prompts_file line 17: the line is blank (each line is one request)",
     ]
     assert all(r.prompt is None and r.prompt_token_ids is None for r in requests[1:-1])
 
@@ -180,7 +182,12 @@ def test_every_hostile_line_is_one_error_row_and_the_rest_survive(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_bytes(b"\n".join(lines) + b"\r\n")
     requests = read_prompts(None, str(path))
-    assert [r.index for r in requests] == list(range(len(HOSTILE_LINES) + len(good)))  # blank lines: no request
+    assert [r.index for r in requests] == list(range(len(lines)))  # blank lines: error rows, no index shifts
+    blank = [r for r in requests if r.error is not None and "the line is blank" in r.error]
+    blank_lines = [i + 1 for i, line in enumerate(lines) if not line.decode(errors="replace").strip()]
+    assert [r.index + 1 for r in blank] == blank_lines
+    assert all(r.error.startswith(f"prompts_file line {r.index + 1}: ") for r in blank)
+    requests = [r for r in requests if r not in blank]
     ok = [r for r in requests if r.error is None]
     assert [r.prompt or r.prompt_token_ids for r in ok] == [
         "first, after a BOM", "crlf line", "NEL\u0085 and LINE SEPARATOR\u2028 inside", [4, 5]]
