@@ -84,7 +84,7 @@ HOSTILE = [  # (raw line, words its one-line error must contain): no line may en
     (b"[" * 100_000 + b"]" * 100_000, ["nested too deeply"]),
     (b'{"prompt":"a \\ud800"}', ["not valid Unicode", "U+D800"]),  # a lone surrogate
     (b'{"prompt_token_ids":[' + b"7" * 5000 + b"]}", ["4300 digits"]),
-    (b'{"prompt":"hi","temperature":NaN}', ["temperature", ">= 0"]),
+    (b'{"prompt":"hi","temperature":NaN}', ["temperature", "must be a number"]),
     (b'{"prompt":"hi","top_p":Infinity}', ["top_p", "(0, 1]"]),
     (b'{"prompt":"hi","max_tokens":1e999}', ["max_tokens", "integer"]),
     (b'{"prompt_token_ids":[5, 99999999999999999999999]}', ["outside the vocabulary"]),

@@ -74,10 +74,11 @@ def test_unknown_key_without_a_near_miss_lists_the_known_ones():
 
 @pytest.mark.parametrize("sampling,line", [
     ({"max_tokens": 0}, "sampling.max_tokens must be >= 1, got 0"),
-    ({"max_tokens": "abc"}, "sampling.max_tokens must be >= 1, got 'abc'"),
+    ({"max_tokens": "abc"}, "sampling.max_tokens must be an integer, got 'abc'"),
+    ({"temperature": "abc"}, "sampling.temperature must be a number, got 'abc'"),
     ({"temperature": -1}, "sampling.temperature must be >= 0, got -1"),
     ({"top_p": 1.5}, "sampling.top_p must be in (0, 1], got 1.5"),
-    ({"top_k": -2}, "sampling.top_k must be -1 (off) or >= 1, got -2"),
+    ({"top_k": -2}, "sampling.top_k must be -1 or 0 (off) or >= 1, got -2"),
     ({"seed": 2**64}, "sampling.seed must be an integer in [-2**63, 2**64 - 1] or null"),
 ])
 def test_bad_sampling_defaults_are_config_errors(sampling, line):
