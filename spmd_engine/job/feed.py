@@ -14,6 +14,7 @@ from typing import Any
 from spmd_engine.config import EngineConfig
 from spmd_engine.core.requests import PromptRequest
 from spmd_engine.job.outputs import resume_mismatch
+from spmd_engine.job.prompt_chars import PromptCharLimit, prompt_char_limit
 from spmd_engine.job.prompts import DEFAULT_PROMPTS, iter_prompts, tokenize
 from spmd_engine.job.workloads import bench_requests, default_token_requests
 
@@ -62,7 +63,12 @@ class RequestFeed:
     chunk_size: int = CHUNK_REQUESTS
     finished: set[int] = field(default_factory=set)  # resume: indices already in outputs.jsonl
     kinds: dict[int, str | None] = field(default_factory=dict)  # output_format=openai: each index's API
+    max_model_len: int | None = None  # the engine's: text prompts longer than it can hold are not tokenized
     _sampling: dict[int, dict] = field(default_factory=dict)
+    _char_limit: PromptCharLimit | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self._char_limit = prompt_char_limit(self.tokenizer, self.max_model_len)
 
     def sampling_for(self, request: PromptRequest) -> dict:
         return {**vars(self.cfg.sampling), **request.overrides}
@@ -89,7 +95,8 @@ class RequestFeed:
         return self._sampling.pop(index, None)
 
     def _tokenize(self, requests: list[PromptRequest]) -> list[PromptRequest]:
-        return tokenize(requests, self.tokenizer, self.cfg.chat_template, self.cfg.chat_template_kwargs)
+        return tokenize(requests, self.tokenizer, self.cfg.chat_template, self.cfg.chat_template_kwargs,
+                        self._char_limit)
 
     def chunks(self) -> Iterator[list[PromptRequest]]:
         """Chunks of at most chunk_size requests to run, read and tokenized only when asked for."""

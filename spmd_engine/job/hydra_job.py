@@ -269,7 +269,8 @@ def _open_requests(llm: LLM, cfg: EngineConfig, output_dir: Path | None,
     tokenizer, replicas = llm.tokenizer, llm.engine.replica.count
     has_tokenizer, vocab = tokenizer is not None, llm.engine.shape.vocab_size
     requests, total = source_requests(cfg, has_tokenizer, vocab)
-    feed = RequestFeed(cfg, tokenizer, requests, total, chunk_size(total, replicas, cfg.max_num_seqs))
+    feed = RequestFeed(cfg, tokenizer, requests, total, chunk_size(total, replicas, cfg.max_num_seqs),
+                       max_model_len=llm.engine.max_model_len)
     done: list[dict] = []
     outputs_path = output_dir / "outputs.jsonl" if output_dir else None
     if cfg.resume and outputs_path is not None:

@@ -13,6 +13,7 @@ from typing import Any
 
 from spmd_engine.core.requests import PromptRequest, validate_prompt  # noqa: F401 (re-exported)
 from spmd_engine.core.requests import shorten as _short
+from spmd_engine.job.prompt_chars import PromptCharLimit
 
 DEFAULT_PROMPTS: list[str] = [
     "What is the capital of France? Answer in one sentence.",
@@ -316,13 +317,15 @@ def _render_chat(request: PromptRequest, tokenizer, job_kwargs: dict[str, Any] |
 
 
 def tokenize(requests: list[PromptRequest], tokenizer, chat_template: bool,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[PromptRequest]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             char_limit: PromptCharLimit | None = None) -> list[PromptRequest]:
     """Fill `prompt_token_ids` of text requests in place (chat template: one user turn + generation prompt;
     never for an OpenAI batch /v1/completions line, whose prompt is taken as written).
 
     A `messages` request is rendered by the chat template first (its `prompt` becomes the rendered
-    text); a template error is that request's error. Requests that already have ids or an error are
-    left alone; returns `requests` for chaining.
+    text); a template error is that request's error. A text longer than `char_limit` allows is an error
+    without being tokenized. Requests that already have ids or an error are left alone; returns
+    `requests` for chaining.
     """
     for request in requests:
         if request.error is not None or request.prompt_token_ids is not None:
@@ -332,11 +335,15 @@ def tokenize(requests: list[PromptRequest], tokenizer, chat_template: bool,
         elif request.messages is not None:
             try:
                 request.prompt = _render_chat(request, tokenizer, chat_template_kwargs)
-                request.prompt_token_ids = list(tokenizer.encode(request.prompt, add_special_tokens=False))
+                request.error = char_limit.problem(request.prompt) if char_limit else None
+                if request.error is None:
+                    request.prompt_token_ids = list(tokenizer.encode(request.prompt, add_special_tokens=False))
             except Exception as exc:  # a template that raises (jinja's raise_exception, bad kwargs): one row
                 detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
                 request.error = f"messages could not be rendered by the chat template ({type(exc).__name__}" \
                                 f"{': ' if detail else ''}{_short(detail, 160)})"
+        elif char_limit is not None and char_limit.problem(request.prompt):
+            request.error = char_limit.problem(request.prompt)
         else:
             try:
                 # an OpenAI /v1/completions line takes its prompt as written (vLLM's run-batch)

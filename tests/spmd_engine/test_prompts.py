@@ -146,6 +146,46 @@ def test_a_repeated_custom_id_is_an_error_row(tmp_path):
         for n in (3, 4)], None]
 
 
+def test_a_prompt_too_long_for_any_tokenization_is_not_tokenized(smollm2_dir):
+    """A text with more characters than max_model_len tokens can hold (the tokenizer's longest token, times
+    the normalization slack, per token) is an error row before the tokenizer sees it; one at the bound is
+    tokenized; the bound holds for the longest token repeated (81 characters in SmolLM2)."""
+    from spmd_engine.job.prompt_chars import NORMALIZATION_SLACK, prompt_char_limit
+
+    real = load_tokenizer(smollm2_dir)
+    limit = prompt_char_limit(real, 32)
+    longest = max(real.get_vocab(), key=len)
+    assert limit.chars_per_token == len(longest) == 81 and limit.max_chars == NORMALIZATION_SLACK * 81 * 32
+    text = real.convert_tokens_to_string([longest]) * 31  # 31 tokens of 81 characters: fits max_model_len=32
+    assert len(real.encode(text)) < 32 and limit.problem(text) is None
+
+    class Spy:
+        """The real tokenizer, counting the characters it is asked to encode."""
+        chat_template = real.chat_template
+        encoded: list[int] = []
+
+        def get_vocab(self):
+            return real.get_vocab()
+
+        def apply_chat_template(self, *args, **kwargs):
+            return real.apply_chat_template(*args, **kwargs)
+
+        def encode(self, text, **kwargs):
+            self.encoded.append(len(text))
+            return real.encode(text, **kwargs)
+
+    spy = Spy()
+    huge, fits = "x" * 5_000_000, "x" * limit.max_chars
+    requests = [PromptRequest(0, huge, None, {}), PromptRequest(1, fits, None, {}),
+                PromptRequest(2, None, None, {}, messages=[{"role": "user", "content": huge}])]
+    tokenize(requests, spy, chat_template=False, char_limit=limit)
+    assert requests[0].error == ("prompt has 5,000,000 characters; max_model_len=32 tokens hold at most 10,368 "
+                                 "with this tokenizer (not tokenized)") and requests[0].prompt_token_ids is None
+    assert requests[1].error is None and requests[1].prompt_token_ids
+    assert spy.encoded == [len(fits)]  # the 5 MB texts never reached the tokenizer
+    assert requests[2].error.startswith("prompt has 5,000,1") and requests[2].prompt_token_ids is None  # rendered
+
+
 def test_validate_prompt():
     assert validate_prompt([], 100, 10) == "prompt is empty"
     assert validate_prompt([1, 2, 3, 99999], 49152, 10) == \
