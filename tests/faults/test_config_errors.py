@@ -76,6 +76,8 @@ def test_bad_command_line_values_end_every_rank_before_the_weights(fault_ckpt: P
         "temperature-abc": ("sampling.temperature=abc", ["sampling.temperature must be a number", "'abc'"]),
         "temperature-negative": ("sampling.temperature=-1", ["sampling.temperature must be >= 0"]),
         "unknown-key": ("+block_sise=16", ["unknown config key block_sise", "did you mean block_size?"]),
+        "sampling-key-without-prefix": ("max_tokens=16", ["unknown config key max_tokens",
+                                                          "did you mean sampling.max_tokens?"]),
     }
     launches = {}
     for name, (override, _) in cases.items():

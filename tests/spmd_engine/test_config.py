@@ -330,3 +330,20 @@ def test_llm_keyword_load_format_sets_model_load_format():
     raw = compose_config("qwen3", {"load_format": "dummy", "block_size": 32})
     assert raw["model"]["load_format"] == "dummy" and "load_format" not in raw and raw["block_size"] == 32
     engine_config_from_dict(raw)  # and it is a valid config
+
+
+def test_a_sampling_key_without_its_prefix_names_sampling():
+    with pytest.raises(ConfigError, match=r"^unknown config key max_tokens; did you mean sampling\.max_tokens\?$"):
+        engine_config_from_dict(base(max_tokens=16))
+
+
+def test_plain_overrides_of_keys_the_config_lacks_get_a_plus():
+    """run.py hands Hydra `+key=value` for such keys: the config check then says the one line."""
+    from spmd_engine.config import plus_unknown_overrides
+
+    args = ["max_tokens=16", "sampling.max_token=2", "debug.cuda_pd=false", "block_sise=3", "+x=1", "~seed",
+            "block_size=16", "sampling.max_tokens=8", "debug.cuda_pdl=false", "model=qwen3", "model.path=/x",
+            "workload.num_seqs=2", "hydra.run.dir=/tmp/x", "hydra/launcher=basic", "-m", "--cfg", "job",
+            "prompts=[\"a=b\"]", "cuda_pdl=false"]
+    assert plus_unknown_overrides(args) == ["+max_tokens=16", "+sampling.max_token=2", "+debug.cuda_pd=false",
+                                            "+block_sise=3", *args[4:]]
