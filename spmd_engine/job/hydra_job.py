@@ -31,6 +31,7 @@ from spmd_engine.job.feed import RequestFeed, chunk_size, source_requests
 from spmd_engine.job.generation_defaults import job_sampling
 from spmd_engine.job.metrics import RunningStats, replicas_engine, write_metrics
 from spmd_engine.job.outputs import OutputsWriter, RequestOutput, read_outputs
+from spmd_engine.job.resumed_metrics import earlier_runs, with_earlier_runs
 from spmd_engine.faults.preflight import check_prompts_file
 from spmd_engine.job.run_dir import RunDirLock, RunDirRefused, claim_run_dir
 from spmd_engine.faults.supervisor import Supervisor
@@ -126,6 +127,7 @@ class _JobRecord:
     # while requests run (rank 0): hold the outputs file still, and the figures so far
     quiesce: Callable[[], None] = lambda: None
     so_far: Callable[[], dict] = dict
+    previous_runs: list[dict] | None = None  # resume=true: the earlier metrics.json's runs, read before replacing it
 
     def user_error(self, exc: ConfigError) -> None:
         """Record a user error and say it: one line on rank 0, each other rank's error file for torchrun."""
@@ -158,7 +160,13 @@ class _JobRecord:
         self.metrics["job_time_s"] = time.time() - self.started
         if torch.cuda.is_available():
             self.metrics["peak_gpu_memory_gib"] = torch.cuda.max_memory_reserved() / (1 << 30)
-        write_metrics(self.output_dir / "metrics.json", self.metrics)
+        path = self.output_dir / "metrics.json"
+        if self.raw_cfg.get("resume") is True:
+            if self.previous_runs is None:
+                self.previous_runs = earlier_runs(path)
+            write_metrics(path, with_earlier_runs(self.metrics, self.previous_runs))
+            return
+        write_metrics(path, self.metrics)
 
 
 def _leave_together(supervisor: Supervisor, code: int) -> None:

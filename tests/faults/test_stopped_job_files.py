@@ -1,5 +1,6 @@
 """A stopped job leaves its run dir ready for the resume: no lock file, a metrics.json that says it was
-stopped and what had finished; a finished job says where its outputs went."""
+stopped and what had finished; a finished job says where its outputs went; a resumed job's metrics.json
+keeps the earlier runs' figures."""
 from __future__ import annotations
 
 import json
@@ -37,3 +38,22 @@ def test_a_stopped_job_writes_its_metrics_and_drops_its_lock(fault_ckpt: Path, t
     last = resume.procs[0].stdout.strip().splitlines()[-1]
     assert last == f"outputs: {job_dir / 'outputs.jsonl'} (metrics: {job_dir / 'metrics.json'})", last
     assert len((job_dir / "outputs.jsonl").read_text().splitlines()) == len(prompt_lines()) > len(GOOD)
+
+    # the resumed run's metrics.json keeps the stopped run's figures beside its own, and the job's totals
+    resumed = json.loads((job_dir / "metrics.json").read_text())
+    assert resumed["status"] == "ok" and resumed["resumed"] is True, resumed
+    assert [run["status"] for run in resumed["previous_runs"]] == ["stopped"]
+    assert resumed["previous_runs"][0]["num_requests"] == metrics["num_requests"]
+    assert resumed["num_requests"] == len(prompt_lines()) - metrics["num_requests"]  # this run's part
+    assert resumed["job_totals"]["num_requests"] == len(prompt_lines()) and resumed["job_totals"]["runs"] == 2
+    assert resumed["job_totals"]["output_tokens"] == 2 * len(GOOD)
+
+    # resuming the finished job runs nothing and loses nothing
+    again = start_plain("again", job_args(fault_ckpt, prompts, job_dir, "resume=true"), tmp_path, world=1)
+    finish([again], timeout_s=120)
+    assert again.returncodes == [0], again.describe()
+    final = json.loads((job_dir / "metrics.json").read_text())
+    assert final["num_requests"] == 0 and final["resumed"] is True, final
+    assert [run["status"] for run in final["previous_runs"]] == ["stopped", "ok"]
+    assert final["previous_runs"][1]["num_requests"] == resumed["num_requests"]
+    assert final["job_totals"]["num_requests"] == len(prompt_lines()) and final["job_totals"]["runs"] == 3
