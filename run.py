@@ -18,7 +18,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from spmd_engine.config import store_config_defaults
+from spmd_engine.config import plus_unknown_overrides, store_config_defaults
 from spmd_engine.distributed import RankInfo, destroy_process_group, discover_ranks
 from spmd_engine.job.hydra_job import run_job
 from spmd_engine.faults.supervisor import Supervisor
@@ -48,6 +48,7 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    sys.argv[1:] = plus_unknown_overrides(sys.argv[1:])  # `max_tokens=16`: our one line, not Hydra's "not in struct"
     scratch = None
     if not RANKS.is_first:  # other ranks: no output dir, no .hydra/, no log file of their own
         scratch = tempfile.mkdtemp(prefix=f"spmd-engine-rank{RANKS.rank}-")

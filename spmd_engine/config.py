@@ -266,6 +266,44 @@ def _reject_unknown(keys: Iterable[str], known: Iterable[str], prefix: str = "")
             raise ConfigError(f"unknown config key {prefix}{key}{hint}")
 
 
+def _sampling_fields() -> list[str]:
+    return [f.name for f in dataclasses.fields(SamplingParams)]
+
+
+def _reject_sampling_key_at_top(keys: Iterable[str], top_level: list[str]) -> None:
+    """`max_tokens=16` meant `sampling.max_tokens=16`: say so (a near miss among top-level keys would not)."""
+    for key in keys:
+        if key not in top_level and key in _sampling_fields():
+            raise ConfigError(f"unknown config key {key}; did you mean sampling.{key}?")
+
+
+def _is_known_override(key: str) -> bool:
+    """Whether the composed config has `key` (a top-level engine key, a group, sampling.* or debug.*);
+    keys inside model.* / workload.* depend on the group chosen and count as known."""
+    head, _, rest = key.partition(".")
+    if not rest:
+        return head in config_defaults() or head in (*_GROUP_KEYS, "hydra")
+    if head == "sampling":
+        return rest in _sampling_fields()
+    if head == "debug":
+        return rest in DEPRECATED_DEBUG_KEYS
+    return True
+
+
+def plus_unknown_overrides(args: list[str]) -> list[str]:
+    """Command-line overrides with `+` put before each plain `key=value` whose key the config lacks.
+
+    Why: Hydra refuses such a key while composing, in its own words ("Key 'max_tokens' is not in
+    struct", exit 1) before the job runs; added with `+`, it reaches the config check, which names it
+    in one line with its near miss (`did you mean sampling.max_tokens?`), exit 2, as for `+block_sise=16`."""
+    out = []
+    for arg in args:
+        key, eq, _ = arg.partition("=")
+        plain = eq and key and not key.startswith(("+", "~", "-")) and not any(c in key for c in "/@ ")
+        out.append(f"+{arg}" if plain and not _is_known_override(key) else arg)
+    return out
+
+
 def _scalar_type(annotation: Any) -> tuple[type | None, bool]:
     """(int/float/bool/str or None for anything else, whether null is allowed) of a field annotation."""
     args = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else ()
@@ -372,6 +410,7 @@ def engine_config_from_dict(cfg: dict[str, Any]) -> EngineConfig:
     old_switches = {key: cfg.pop(key) for key in DEPRECATED_DEBUG_KEYS if key in cfg}
     hints = typing.get_type_hints(EngineConfig)
     top_level = [f.name for f in dataclasses.fields(EngineConfig) if f.name not in _SECTIONS]
+    _reject_sampling_key_at_top(cfg, top_level)
     _reject_unknown(cfg, top_level + list(_SECTIONS))
     _reject_unknown(model, _MODEL_KEYS, "model.")
     for key, value in list(cfg.items()):

@@ -142,7 +142,7 @@ class LLM:
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[GenerationOutput]:
+                 use_tqdm: bool = True) -> list[GenerationOutput]:
         """Complete each prompt (text as given, no chat template); one output per prompt, in order.
 
         `sampling_params`: one for all prompts, one per prompt, or None for conf's `sampling` defaults.
@@ -155,7 +155,7 @@ class LLM:
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = False) -> list[GenerationOutput]:
+             use_tqdm: bool = True) -> list[GenerationOutput]:
         """Like `generate`, for conversations: each one rendered by the tokenizer's chat template
         with the assistant's generation prompt appended."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from spmd_engine.config import EngineConfig
-from spmd_engine.core.detokenizer import OutputText
+from spmd_engine.core.detokenizer import OutputText, text_token_ids
 from spmd_engine.core.plan import PlanBuilder, StepPlan
 from spmd_engine.core.requests import (NOT_YET, PolledRequests, PromptRequest, RequestOutput, polled,
                                        validate_prompt)
@@ -300,7 +300,9 @@ class StepLoop:
         if followed is not None and followed.match is not None:
             out.text = followed.match.text  # cut at the stop string (or just after it)
         else:
-            out.text = self.call.decode(out.token_ids) if self.call.decode else None
+            ids = text_token_ids(out.token_ids, seq.finish_reason, seq.stop_reason,
+                                 seq.params.include_stop_str_in_output)
+            out.text = self.call.decode(ids) if self.call.decode else None
         self.call.on_finish(out)
         family = (seq.fork_from or seq).seq_id
         left = self.unfinished_children[family] = self.unfinished_children[family] - 1

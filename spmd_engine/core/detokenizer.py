@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 INCOMPLETE = "\ufffd"  # what a decoder gives for the first bytes of a character split across tokens
 PROMPT_CONTEXT_TOKENS = 4  # prompt tokens decoded in front of the output (leading-space rules of some tokenizers)
@@ -97,3 +98,14 @@ class OutputText:
             self.match = self.matcher.check(self.detokenizer.text, len(delta))
             return self.match
         return None
+
+
+def text_token_ids(token_ids: list[int], finish_reason: str | None, stop_reason: Any,
+                   include_stop_str_in_output: bool) -> list[int]:
+    """The output tokens whose text `text` holds: all of them, but the token that ended the request
+    (EOS or a stop token id) left out unless include_stop_str_in_output (vLLM's rule; `token_ids`
+    keep it). Why: a stop token id may be an ordinary token, whose text skip_special_tokens keeps."""
+    ended_by_token = finish_reason == "stop" and not isinstance(stop_reason, str)
+    if ended_by_token and not include_stop_str_in_output and token_ids:
+        return token_ids[:-1]
+    return token_ids

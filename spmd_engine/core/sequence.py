@@ -70,6 +70,12 @@ class SamplingParams:
 
     def validate(self) -> "SamplingParams":
         """Raise ValueError (one line naming the field and the limit) for a value users got wrong."""
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            if not _is_number(getattr(self, name)) or math.isnan(getattr(self, name)):  # 'abc', NaN: no limit applies
+                raise ValueError(f"sampling.{name} must be a number, got {getattr(self, name)!r}")
+        for name in ("top_k", "max_tokens", "min_tokens"):
+            if not _is_int(getattr(self, name)):
+                raise ValueError(f"sampling.{name} must be an integer, got {getattr(self, name)!r}")
         if not _is_number(self.temperature) or not self.temperature >= 0:
             raise ValueError(f"sampling.temperature must be >= 0, got {self.temperature!r}")
         if math.isinf(self.temperature):
@@ -77,7 +83,7 @@ class SamplingParams:
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"sampling.top_k must be -1 (off) or >= 1, got {self.top_k!r}")
+            raise ValueError(f"sampling.top_k must be -1 or 0 (off) or >= 1, got {self.top_k!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"sampling.max_tokens must be >= 1, got {self.max_tokens!r}")
         if not isinstance(self.ignore_eos, bool):

@@ -14,6 +14,7 @@ from typing import Any
 from spmd_engine.config import EngineConfig
 from spmd_engine.core.requests import PromptRequest
 from spmd_engine.job.outputs import resume_mismatch, row_key
+from spmd_engine.job.prompt_chars import PromptCharLimit, prompt_char_limit
 from spmd_engine.job.prompts import DEFAULT_PROMPTS, iter_prompts, tokenize
 from spmd_engine.job.workloads import bench_requests, default_token_requests
 
@@ -68,10 +69,32 @@ class RequestFeed:
     finished: set[int] = field(default_factory=set)  # resume: indices with every completion in outputs.jsonl
     kinds: dict[int, str | None] = field(default_factory=dict)  # output_format=openai: each index's API
     kept_completions: dict[int, set[int]] = field(default_factory=dict)  # resume: index -> sample indices kept
+    max_model_len: int | None = None  # the engine's: text prompts longer than it can hold are not tokenized
     _sampling: dict[int, list] = field(default_factory=dict)  # index -> [sampling, rows still to write]
+    _char_limit: PromptCharLimit | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self._char_limit = prompt_char_limit(self.tokenizer, self.max_model_len)
 
     def sampling_for(self, request: PromptRequest) -> dict:
         return {**vars(self.cfg.sampling), **request.overrides}
+
+    def where(self, index: int) -> str | None:
+        """Where request `index` was written, as its error rows name it (line N of a prompts file is
+        request N - 1), or None for requests the job made itself (the built-in prompts, a benchmark)."""
+        if self.cfg.workload.name == "bench":
+            return None
+        if self.cfg.prompts_file is not None:
+            return f"prompts_file line {index + 1}"
+        return f"prompts[{index}]" if self.cfg.prompts is not None else None
+
+    def located(self, row: dict) -> dict:
+        """`row` with its error naming the request's line: errors found after reading (tokenizing, the
+        engine's checks of length, vocabulary and sampling) say where as those of the reader do."""
+        where, error = self.where(row["index"]), row.get("error")
+        if error and where and not error.startswith(f"{where}: "):
+            row["error"] = f"{where}: {error}"
+        return row
 
     def sampling_of(self, index: int) -> dict | None:
         """The sampling of a request handed out, for each of its rows (dropped after the last one)."""
@@ -99,7 +122,8 @@ class RequestFeed:
         return True
 
     def _tokenize(self, requests: list[PromptRequest]) -> list[PromptRequest]:
-        return tokenize(requests, self.tokenizer, self.cfg.chat_template, self.cfg.chat_template_kwargs)
+        return tokenize(requests, self.tokenizer, self.cfg.chat_template, self.cfg.chat_template_kwargs,
+                        self._char_limit)
 
     def chunks(self) -> Iterator[list[PromptRequest]]:
         """Chunks of at most chunk_size requests to run, read and tokenized only when asked for."""

@@ -31,6 +31,7 @@ from spmd_engine.job.feed import RequestFeed, chunk_size, source_requests
 from spmd_engine.job.generation_defaults import job_sampling
 from spmd_engine.job.metrics import RunningStats, replicas_engine, write_metrics
 from spmd_engine.job.outputs import OutputsWriter, RequestOutput, read_outputs
+from spmd_engine.job.resumed_metrics import earlier_runs, with_earlier_runs
 from spmd_engine.faults.preflight import check_prompts_file
 from spmd_engine.job.run_dir import RunDirLock, RunDirRefused, claim_run_dir
 from spmd_engine.faults.supervisor import Supervisor
@@ -66,10 +67,11 @@ def run_job(raw_cfg: dict[str, Any], overrides: list[str], ranks: RankInfo, outp
     try:
         cfg, faults = _join(raw_cfg, ranks, supervisor)
         run_dir_lock = agreed(lambda: _start_checks(cfg, output_dir, record.refused) if ranks.is_first else None)
-        cfg.sampling = agreed(lambda: job_sampling(cfg, overrides))  # every rank alike, before the engine
-        llm = LLM.from_config(cfg, ranks, step_progress=supervisor.progress)
-        faults.install(llm.engine.runner)  # test-only: a configured step fault wraps the runner's launch
-        record.metrics.update(_generate(llm, cfg, ranks, output_dir, supervisor, faults))
+        with supervisor.before_exit(lambda: record.stopped(run_dir_lock)):  # a signal or fault ends the process
+            cfg.sampling = agreed(lambda: job_sampling(cfg, overrides))  # every rank alike, before the engine
+            llm = LLM.from_config(cfg, ranks, step_progress=supervisor.progress)
+            faults.install(llm.engine.runner)  # test-only: a configured step fault wraps the runner's launch
+            record.metrics.update(_generate(llm, cfg, ranks, output_dir, supervisor, faults, record))
         record.metrics["status"] = "ok"
     except ConfigError as exc:  # every rank raises it (engine.agreed) or none does
         supervisor.detach()
@@ -92,6 +94,8 @@ def run_job(raw_cfg: dict[str, Any], overrides: list[str], ranks: RankInfo, outp
         if run_dir_lock is not None:
             run_dir_lock.release()
     record.write()
+    if ranks.is_first and output_dir is not None and not record.refused:
+        print(f"outputs: {output_dir / 'outputs.jsonl'} (metrics: {output_dir / 'metrics.json'})", flush=True)
     return record.metrics if ranks.is_first else None
 
 
@@ -120,6 +124,10 @@ class _JobRecord:
     metrics: dict[str, Any]
     started: float = field(default_factory=time.time)
     refused: list[str] = field(default_factory=list)  # the run dir was refused: write nothing into it
+    # while requests run (rank 0): hold the outputs file still, and the figures so far
+    quiesce: Callable[[], None] = lambda: None
+    so_far: Callable[[], dict] = dict
+    previous_runs: list[dict] | None = None  # resume=true: the earlier metrics.json's runs, read before replacing it
 
     def user_error(self, exc: ConfigError) -> None:
         """Record a user error and say it: one line on rank 0, each other rank's error file for torchrun."""
@@ -131,6 +139,19 @@ class _JobRecord:
         else:
             write_error_file(error_line(str(exc)))  # torchrun's summary: every rank's entry says why
 
+    def stopped(self, lock: RunDirLock | None) -> None:
+        """The process is being ended (a stop signal, a fault, the watchdog): let the row being written
+        finish, write metrics.json with the figures so far (status stopped) and drop the run dir's lock
+        file, so nothing stale is left for the resume."""
+        self.quiesce()
+        self.metrics.update(self.so_far())
+        self.metrics["status"] = "stopped"
+        self.metrics.setdefault("error", "stopped before the end (a stop signal or a fault: the job's error line "
+                                         "says which); the figures cover the requests finished by then")
+        self.write()
+        if lock is not None:
+            lock.release()
+
     def write(self) -> None:
         """Rank 0's metrics.json; nothing on other ranks, without a run dir, or into a refused one."""
         if not self.ranks.is_first or self.output_dir is None or self.refused:
@@ -139,7 +160,13 @@ class _JobRecord:
         self.metrics["job_time_s"] = time.time() - self.started
         if torch.cuda.is_available():
             self.metrics["peak_gpu_memory_gib"] = torch.cuda.max_memory_reserved() / (1 << 30)
-        write_metrics(self.output_dir / "metrics.json", self.metrics)
+        path = self.output_dir / "metrics.json"
+        if self.raw_cfg.get("resume") is True:
+            if self.previous_runs is None:
+                self.previous_runs = earlier_runs(path)
+            write_metrics(path, with_earlier_runs(self.metrics, self.previous_runs))
+            return
+        write_metrics(path, self.metrics)
 
 
 def _leave_together(supervisor: Supervisor, code: int) -> None:
@@ -182,8 +209,10 @@ class _RowSink:
     writer: OutputsWriter | None
     bar: Any
     shown: list[dict] | None
+    located: Callable[[dict], dict] = lambda row: row  # the row with its error naming the request's line
     stats: RunningStats = field(default_factory=RunningStats)  # rank 0's own replica
     lock: threading.Lock = field(default_factory=threading.Lock)
+    rows: int = 0  # rows written, every replica's
 
     def output(self, out: RequestOutput) -> None:
         """One of rank 0's own replica's requests finished."""
@@ -191,16 +220,18 @@ class _RowSink:
         self.row(out.to_json())
 
     def row(self, row: dict) -> None:
+        row = self.located(row)
         with self.lock:
             if self.writer is not None:
                 self.writer.write_row(row)
             if self.shown is not None:
                 self.shown.append(row)
+            self.rows += 1
             self.bar.update(1)
 
 
 def _generate(llm: LLM, cfg: EngineConfig, ranks: RankInfo, output_dir: Path | None,
-              supervisor: Supervisor, faults: FaultInjector) -> dict:
+              supervisor: Supervisor, faults: FaultInjector, record: _JobRecord) -> dict:
     engine = llm.engine
     gate = supervisor.start_gate()
     faults.before_requests()
@@ -216,7 +247,7 @@ def _generate(llm: LLM, cfg: EngineConfig, ranks: RankInfo, output_dir: Path | N
     feed, writer = _open_requests(llm, cfg, output_dir, gate)
     if gate is not None:
         gate.open()  # everything slow on rank 0 alone is done: the plans follow
-    return _lead(llm, cfg, feed, writer, board, supervisor)
+    return _lead(llm, cfg, feed, writer, board, record)
 
 
 def _board(supervisor: Supervisor) -> ChunkBoard:
@@ -267,7 +298,8 @@ def _open_requests(llm: LLM, cfg: EngineConfig, output_dir: Path | None,
     tokenizer, replicas = llm.tokenizer, llm.engine.replica.count
     has_tokenizer, vocab = tokenizer is not None, llm.engine.shape.vocab_size
     requests, total = source_requests(cfg, has_tokenizer, vocab)
-    feed = RequestFeed(cfg, tokenizer, requests, total, chunk_size(total, replicas, cfg.max_num_seqs))
+    feed = RequestFeed(cfg, tokenizer, requests, total, chunk_size(total, replicas, cfg.max_num_seqs),
+                       max_model_len=llm.engine.max_model_len)
     done: list[dict] = []
     outputs_path = output_dir / "outputs.jsonl" if output_dir else None
     if cfg.resume and outputs_path is not None:
@@ -292,28 +324,31 @@ def _open_requests(llm: LLM, cfg: EngineConfig, output_dir: Path | None,
 
 
 def _lead(llm: LLM, cfg: EngineConfig, feed: RequestFeed, writer: OutputsWriter | None,
-          board: ChunkBoard | None, supervisor: Supervisor) -> dict:
+          board: ChunkBoard | None, record: _JobRecord) -> dict:
     """Rank 0: hand out the requests (to the other replicas too), run replica 0's share, write every row."""
     if cfg.workload.name == "bench" and cfg.workload.params.get("warmup", True):
         run_bench_warmup(llm)
     sink = _RowSink(writer, _progress_bar(feed.remaining),
-                    [] if cfg.workload.name == "chat" and feed.remaining <= PRINT_LIMIT else None)
+                    [] if cfg.workload.name == "chat" and feed.remaining <= PRINT_LIMIT else None, feed.located)
     replicas = llm.engine.replica.count
     dispatcher = Dispatcher(board, feed.chunks(), replicas, sink.row) if board is not None else None
     requests = ClaimedRequests(board, replicas, dispatcher.check) if dispatcher is not None else feed
     keep = cfg.workload.name == "bench"  # the bench report reads the outputs; a chat job keeps none
     t0 = time.perf_counter()
+    record.quiesce = lambda: _quiesce(dispatcher, writer)  # the process is being stopped: see _JobRecord.stopped
+    record.so_far = lambda: {**sink.stats.summary(time.perf_counter() - t0), "rows_written": sink.rows,
+                             "figures": "rank 0's replica's finished requests (rows_written: every replica's)"}
     try:
-        with supervisor.before_exit(lambda: _quiesce(dispatcher, writer)):
-            if dispatcher is not None:
-                dispatcher.start()
-            outputs = llm.stream(requests, on_finish=sink.output, keep_outputs=keep)
-            busy = time.perf_counter() - t0 - getattr(requests, "waited_s", 0.0)
-            if dispatcher is not None:
-                _wait_for(dispatcher.all_done, llm, dispatcher.check)
-                dispatcher.stop()
-                dispatcher.check()
+        if dispatcher is not None:
+            dispatcher.start()
+        outputs = llm.stream(requests, on_finish=sink.output, keep_outputs=keep)
+        busy = time.perf_counter() - t0 - getattr(requests, "waited_s", 0.0)
+        if dispatcher is not None:
+            _wait_for(dispatcher.all_done, llm, dispatcher.check)
+            dispatcher.stop()
+            dispatcher.check()
     finally:
+        record.quiesce, record.so_far = (lambda: None), dict
         if dispatcher is not None:
             dispatcher.stop()
         sink.bar.close()

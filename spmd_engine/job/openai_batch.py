@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Any
 
 CHAT_URL = "/v1/chat/completions"
@@ -86,6 +87,25 @@ def translate(obj: dict) -> tuple[dict | None, str | None, str | None, str | Non
             isinstance(t, int) and not isinstance(t, bool) for t in request["prompt"]):
         request["prompt_token_ids"] = request.pop("prompt")  # a completions prompt may be token ids
     return request, custom_id, kind, None
+
+
+@dataclass
+class CustomIds:
+    """The custom_ids seen so far in one batch file: the format requires them unique, so a line that
+    repeats one is an error row (its output could not be told from the first's). Holds one entry per
+    distinct id (the ids of a file, not its requests)."""
+
+    first_line: dict[str, int] = field(default_factory=dict)
+
+    def duplicate(self, custom_id: str | None, line_no: int) -> str | None:
+        """Why line `line_no` may not use `custom_id` (one line), or None; the first use is remembered."""
+        if custom_id is None:
+            return None
+        first = self.first_line.setdefault(custom_id, line_no)
+        if first == line_no:
+            return None
+        shown = custom_id if len(custom_id) <= 80 else custom_id[:80] + "..."
+        return f"duplicate custom_id {shown!r} (first on line {first}); custom_ids must be unique in a batch file"
 
 
 def _logprobs(kind: str, body: dict, request: dict) -> str | None:

@@ -13,6 +13,7 @@ from typing import Any
 
 from spmd_engine.core.requests import PromptRequest, validate_prompt  # noqa: F401 (re-exported)
 from spmd_engine.core.requests import shorten as _short
+from spmd_engine.job.prompt_chars import PromptCharLimit
 
 DEFAULT_PROMPTS: list[str] = [
     "What is the capital of France? Answer in one sentence.",
@@ -194,40 +195,63 @@ def _raw_lines(path: Path) -> Iterator[bytes]:
 
 
 def iter_jsonl(path: Path) -> Iterator[PromptRequest]:
-    """One request per non-blank line, each line decoded and parsed on its own as it is reached: no line
-    can fail another, and a file of any size is read in bounded memory.
+    """One request per line, each line decoded and parsed on its own as it is reached: no line can fail
+    another, and a file of any size is read in bounded memory. Line N is request N - 1 (its `index`).
 
     Lines end at LF, CRLF or CR (never at U+2028 or U+0085, which JSON strings may hold); a UTF-8
-    byte order mark at the start of the file is skipped; blank lines are skipped (not requests).
+    byte order mark at the start of the file is skipped. A blank line is an error row (so no later line
+    shifts from its index), except blank lines at the end of the file, which are no lines at all.
     """
-    index = 0
+    from spmd_engine.job.openai_batch import CustomIds
+
+    custom_ids = CustomIds()
+    first_blank: int | None = None  # the first of the blank lines just read (rows once a request follows)
     for line_no, raw in enumerate(_raw_lines(path), start=1):
-        where = f"prompts_file line {line_no}"
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            yield PromptRequest(index, None, None, {}, f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} at byte "
-                                                       f"{e.start + 1}); save the file as UTF-8")
-            index += 1
+        if _is_blank(raw):
+            first_blank = line_no if first_blank is None else first_blank
             continue
-        if text.strip():
-            yield _parse_line(text, index, where)
-            index += 1
+        for blank in range(first_blank or line_no, line_no):
+            yield PromptRequest(blank - 1, None, None, {}, f"prompts_file line {blank}: the line is blank "
+                                                           "(each line is one request)")
+        first_blank = None
+        yield _read_line(raw, line_no, custom_ids)
+
+
+def _read_line(raw: bytes, line_no: int, custom_ids) -> PromptRequest:
+    """Line `line_no` (not blank) as request `line_no - 1`; a problem is its error, prefixed with the line."""
+    index, where = line_no - 1, f"prompts_file line {line_no}"
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return PromptRequest(index, None, None, {}, f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} at byte "
+                                                    f"{e.start + 1}); save the file as UTF-8")
+    request = _parse_line(text, index, where)
+    duplicate = custom_ids.duplicate(request.custom_id, line_no)
+    if duplicate is not None:
+        request = PromptRequest(index, None, None, {}, f"{where}: {duplicate}", custom_id=request.custom_id,
+                                api=request.api)
+    return request
+
+
+BLANK_CHECK_BYTES = 4096  # a longer line is never taken for blank (not decoded to look: it is an error row anyway)
 
 
 def _is_blank(raw: bytes) -> bool:
-    """Whether iter_jsonl skips the line, without decoding long lines (a request is never only blanks
-    after its first bytes; short lines may be Unicode blanks such as U+00A0)."""
+    """Whether a line holds only blanks (Unicode ones such as U+00A0 too), without decoding long lines."""
     stripped = raw.strip()
     if not stripped:
         return True
-    return len(stripped) <= 16 and not raw.decode("utf-8", errors="replace").strip()
+    return len(stripped) <= BLANK_CHECK_BYTES and not stripped.decode("utf-8", errors="replace").strip()
 
 
 def count_jsonl_requests(path: Path) -> int:
-    """How many requests iter_jsonl(path) yields, by a scan of the bytes (no JSON parsing): the progress
-    bar's total, known before the first request runs."""
-    return sum(1 for raw in _raw_lines(path) if not _is_blank(raw))
+    """How many requests iter_jsonl(path) yields (the lines up to the last one that is not blank), by a
+    scan of the bytes (no JSON parsing): the progress bar's total, known before the first request runs."""
+    last = 0
+    for line_no, raw in enumerate(_raw_lines(path), start=1):
+        if not _is_blank(raw):
+            last = line_no
+    return last
 
 
 def _read_jsonl(path: Path) -> list[PromptRequest]:
@@ -294,12 +318,15 @@ def _render_chat(request: PromptRequest, tokenizer, job_kwargs: dict[str, Any] |
 
 
 def tokenize(requests: list[PromptRequest], tokenizer, chat_template: bool,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[PromptRequest]:
-    """Fill `prompt_token_ids` of text requests in place (chat template: one user turn + generation prompt).
+             chat_template_kwargs: dict[str, Any] | None = None,
+             char_limit: PromptCharLimit | None = None) -> list[PromptRequest]:
+    """Fill `prompt_token_ids` of text requests in place (chat template: one user turn + generation prompt;
+    never for an OpenAI batch /v1/completions line, whose prompt is taken as written).
 
     A `messages` request is rendered by the chat template first (its `prompt` becomes the rendered
-    text); a template error is that request's error. Requests that already have ids or an error are
-    left alone; returns `requests` for chaining.
+    text); a template error is that request's error. A text longer than `char_limit` allows is an error
+    without being tokenized. Requests that already have ids or an error are left alone; returns
+    `requests` for chaining.
     """
     for request in requests:
         if request.error is not None or request.prompt_token_ids is not None:
@@ -309,14 +336,20 @@ def tokenize(requests: list[PromptRequest], tokenizer, chat_template: bool,
         elif request.messages is not None:
             try:
                 request.prompt = _render_chat(request, tokenizer, chat_template_kwargs)
-                request.prompt_token_ids = list(tokenizer.encode(request.prompt, add_special_tokens=False))
+                request.error = char_limit.problem(request.prompt) if char_limit else None
+                if request.error is None:
+                    request.prompt_token_ids = list(tokenizer.encode(request.prompt, add_special_tokens=False))
             except Exception as exc:  # a template that raises (jinja's raise_exception, bad kwargs): one row
                 detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
                 request.error = f"messages could not be rendered by the chat template ({type(exc).__name__}" \
                                 f"{': ' if detail else ''}{_short(detail, 160)})"
+        elif char_limit is not None and char_limit.problem(request.prompt):
+            request.error = char_limit.problem(request.prompt)
         else:
             try:
-                request.prompt_token_ids = _encode(request.prompt, tokenizer, chat_template)
+                # an OpenAI /v1/completions line takes its prompt as written (vLLM's run-batch)
+                templated = chat_template and request.api != "completions"
+                request.prompt_token_ids = _encode(request.prompt, tokenizer, templated)
             except Exception as exc:  # a tokenizer bug on one odd text fails that request, not the job
                 detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
                 request.error = f"prompt could not be tokenized ({type(exc).__name__}{': ' if detail else ''}" \

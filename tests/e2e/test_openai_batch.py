@@ -34,6 +34,7 @@ def test_openai_batch_round_trip(tiny_qwen3: Path, tmp_path: Path):
     assert len(chat["token_ids"]) == 5 and len(chat["logprobs"]) == 5
     assert len(chat["logprobs"][0]["top_logprobs"]) == 2
     assert cmpl["error"] is None and len(cmpl["token_ids"]) == 4 and cmpl["prompt"] == "Once upon"
+    assert len(cmpl["prompt_token_ids"]) == len("Once upon")  # one byte a token: as written, no chat template
     assert bad["finish_reason"] == "error" and "logit_bias" in bad["error"] and "not supported" in bad["error"]
     assert own["error"] is None and len(own["token_ids"]) == 3
 

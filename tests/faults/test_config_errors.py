@@ -72,9 +72,12 @@ def test_bad_command_line_values_end_every_rank_before_the_weights(fault_ckpt: P
     metrics status failed), not one failed row per request under status ok."""
     cases = {  # name -> (override, words of rank 0's one line)
         "max-tokens-0": ("sampling.max_tokens=0", ["sampling.max_tokens must be >= 1", "got 0"]),
-        "max-tokens-abc": ("sampling.max_tokens=abc", ["sampling.max_tokens must be >= 1", "'abc'"]),
+        "max-tokens-abc": ("sampling.max_tokens=abc", ["sampling.max_tokens must be an integer", "'abc'"]),
+        "temperature-abc": ("sampling.temperature=abc", ["sampling.temperature must be a number", "'abc'"]),
         "temperature-negative": ("sampling.temperature=-1", ["sampling.temperature must be >= 0"]),
         "unknown-key": ("+block_sise=16", ["unknown config key block_sise", "did you mean block_size?"]),
+        "sampling-key-without-prefix": ("max_tokens=16", ["unknown config key max_tokens",
+                                                          "did you mean sampling.max_tokens?"]),
     }
     launches = {}
     for name, (override, _) in cases.items():

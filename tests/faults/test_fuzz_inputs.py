@@ -58,9 +58,12 @@ def test_the_jsonl_reader_turns_every_line_into_a_request(tmp_path, rows):
 
 def _non_blank_lines(data: bytes) -> list[bytes]:
     """The reader's lines: LF, CRLF or CR ends one (not U+2028 & co.), a leading BOM is no text, a line of
-    whitespace is no request, a line that is not UTF-8 is one (its error)."""
+    whitespace is one (its error) unless only blank lines follow it, a line that is not UTF-8 is one (its error)."""
     data = data.removeprefix(b"\xef\xbb\xbf")
-    return [line for line in data.splitlines() if line.decode("utf-8", errors="replace").strip()]
+    lines = data.splitlines()
+    while lines and not lines[-1].decode("utf-8", errors="replace").strip():
+        lines.pop()
+    return lines
 
 
 @SETTINGS

@@ -95,6 +95,24 @@ def test_stream_pulls_a_lazy_source_and_hands_every_row_to_the_callback(tmp_path
     assert max(in_flight) <= 2, in_flight  # bounded by max_num_seqs, not by the source's length
 
 
+def test_generate_shows_a_progress_bar_by_default(tmp_path, capsys):
+    """vLLM's use_tqdm=True: a bar of the requests on stderr unless use_tqdm=False."""
+    from spmd_engine import SamplingParams
+
+    llm = _tiny_llm(tmp_path)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    try:
+        capsys.readouterr()
+        llm.generate([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [7, 8]}], params)
+        shown = capsys.readouterr().err
+        llm.generate([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [7, 8]}], params, use_tqdm=False)
+        quiet = capsys.readouterr().err
+    finally:
+        llm.close()
+    assert "requests" in shown and "2/2" in shown, shown
+    assert "requests" not in quiet, quiet
+
+
 def test_generate_and_the_hydra_job_both_run_through_stream(tmp_path, monkeypatch):
     from spmd_engine.distributed import discover_ranks
     from spmd_engine.job.hydra_job import run_job

@@ -74,10 +74,11 @@ def test_unknown_key_without_a_near_miss_lists_the_known_ones():
 
 @pytest.mark.parametrize("sampling,line", [
     ({"max_tokens": 0}, "sampling.max_tokens must be >= 1, got 0"),
-    ({"max_tokens": "abc"}, "sampling.max_tokens must be >= 1, got 'abc'"),
+    ({"max_tokens": "abc"}, "sampling.max_tokens must be an integer, got 'abc'"),
+    ({"temperature": "abc"}, "sampling.temperature must be a number, got 'abc'"),
     ({"temperature": -1}, "sampling.temperature must be >= 0, got -1"),
     ({"top_p": 1.5}, "sampling.top_p must be in (0, 1], got 1.5"),
-    ({"top_k": -2}, "sampling.top_k must be -1 (off) or >= 1, got -2"),
+    ({"top_k": -2}, "sampling.top_k must be -1 or 0 (off) or >= 1, got -2"),
     ({"seed": 2**64}, "sampling.seed must be an integer in [-2**63, 2**64 - 1] or null"),
 ])
 def test_bad_sampling_defaults_are_config_errors(sampling, line):
@@ -329,3 +330,20 @@ def test_llm_keyword_load_format_sets_model_load_format():
     raw = compose_config("qwen3", {"load_format": "dummy", "block_size": 32})
     assert raw["model"]["load_format"] == "dummy" and "load_format" not in raw and raw["block_size"] == 32
     engine_config_from_dict(raw)  # and it is a valid config
+
+
+def test_a_sampling_key_without_its_prefix_names_sampling():
+    with pytest.raises(ConfigError, match=r"^unknown config key max_tokens; did you mean sampling\.max_tokens\?$"):
+        engine_config_from_dict(base(max_tokens=16))
+
+
+def test_plain_overrides_of_keys_the_config_lacks_get_a_plus():
+    """run.py hands Hydra `+key=value` for such keys: the config check then says the one line."""
+    from spmd_engine.config import plus_unknown_overrides
+
+    args = ["max_tokens=16", "sampling.max_token=2", "debug.cuda_pd=false", "block_sise=3", "+x=1", "~seed",
+            "block_size=16", "sampling.max_tokens=8", "debug.cuda_pdl=false", "model=qwen3", "model.path=/x",
+            "workload.num_seqs=2", "hydra.run.dir=/tmp/x", "hydra/launcher=basic", "-m", "--cfg", "job",
+            "prompts=[\"a=b\"]", "cuda_pdl=false"]
+    assert plus_unknown_overrides(args) == ["+max_tokens=16", "+sampling.max_token=2", "+debug.cuda_pd=false",
+                                            "+block_sise=3", *args[4:]]

@@ -62,12 +62,13 @@ def test_jsonl_bad_lines_get_errors_and_good_lines_survive(tmp_path):
         "   ",
         json.dumps({"prompt_token_ids": [4, 5, 6], "ignore_eos": True, "top_p": 1, "seed": None}),
     ]
-    requests = read_prompts(None, _write_lines(tmp_path / "p.jsonl", lines))
-    assert [r.index for r in requests] == list(range(len(requests)))
+    requests = read_prompts(None, _write_lines(tmp_path / "p.jsonl", lines + ["", "  "]))  # blank at the end: no rows
+    assert [r.index for r in requests] == list(range(len(lines)))  # line N is request N - 1, blank lines too
     assert requests[0] == PromptRequest(0, "hello", None, {"temperature": 0.5, "max_tokens": 7, "seed": 3})
-    assert requests[-1] == PromptRequest(15, None, [4, 5, 6], {"ignore_eos": True, "top_p": 1, "seed": None})
+    assert requests[-1] == PromptRequest(17, None, [4, 5, 6], {"ignore_eos": True, "top_p": 1, "seed": None})
     errors = [r.error for r in requests[1:-1]]
     assert errors == [
+        "prompts_file line 2: the line is blank (each line is one request)",
         "prompts_file line 3: invalid JSON (Expecting property name enclosed in double quotes at column 2)",
         "prompts_file line 4: expected a JSON object, got list",
         "prompts_file line 5: give exactly one of 'prompt', 'prompt_token_ids' or 'messages'",
@@ -85,6 +86,7 @@ def test_jsonl_bad_lines_get_errors_and_good_lines_survive(tmp_path):
         "prompts_file line 14: 'ignore_eos' must be true or false, got int",
         "prompts_file line 15: prompt is empty",
         "prompts_file line 16: prompt is empty",
+        "prompts_file line 17: the line is blank (each line is one request)",
     ]
     assert all(r.prompt is None and r.prompt_token_ids is None for r in requests[1:-1])
 
@@ -109,6 +111,79 @@ def test_tokenize_chat_template_and_plain(smollm2_dir):
     [plain] = tokenize([PromptRequest(0, FRANCE, None, {})], tokenizer, chat_template=False)
     assert plain.prompt_token_ids == tokenizer.encode(FRANCE) and tokenizer.decode(plain.prompt_token_ids) == FRANCE
     assert all(r.error is None for r in (chat, ids, plain))
+
+
+def test_an_openai_completions_prompt_is_taken_as_written(tmp_path):
+    """vLLM's run-batch: /v1/completions takes the prompt as written, /v1/chat/completions gets the template."""
+    from tests.helpers.tiny_checkpoints import make_tiny_checkpoint
+
+    tokenizer = load_tokenizer(make_tiny_checkpoint(tmp_path / "ckpt"))
+    body = {"prompt": "Once upon", "max_tokens": 4}
+    lines = [{"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": body},
+             {"custom_id": "m", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"messages": [{"role": "user", "content": "Once upon"}]}},
+             {"prompt": "Once upon"}]
+    cmpl, chat, own = tokenize(read_prompts(None, _write_lines(tmp_path / "p.jsonl", map(json.dumps, lines))),
+                               tokenizer, chat_template=True)
+    assert cmpl.prompt_token_ids == tokenizer.encode("Once upon") and cmpl.prompt == "Once upon"
+    assert tokenizer.decode(chat.prompt_token_ids) == "user: Once upon\nassistant: "
+    assert own.prompt_token_ids == chat.prompt_token_ids  # our own text lines keep chat_template=true
+
+
+def test_a_repeated_custom_id_is_an_error_row(tmp_path):
+    """The OpenAI batch format requires unique custom_ids: the first line runs, each repeat is an error row
+    that names its line, the id and the line that used it first."""
+    def line(custom_id, prompt):
+        return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
+                           "body": {"prompt": prompt}})
+
+    lines = [line("a", "first"), line("b", "other"), line("a", "again"), line("a", "third"), line("c", "last")]
+    requests = read_prompts(None, _write_lines(tmp_path / "p.jsonl", lines))
+    assert [r.custom_id for r in requests] == ["a", "b", "a", "a", "c"]
+    assert [r.prompt for r in requests] == ["first", "other", None, None, "last"]
+    assert [r.error for r in requests] == [None, None, *[
+        f"prompts_file line {n}: duplicate custom_id 'a' (first on line 1); custom_ids must be unique in a batch file"
+        for n in (3, 4)], None]
+
+
+def test_a_prompt_too_long_for_any_tokenization_is_not_tokenized(smollm2_dir):
+    """A text with more characters than max_model_len tokens can hold (the tokenizer's longest token, times
+    the normalization slack, per token) is an error row before the tokenizer sees it; one at the bound is
+    tokenized; the bound holds for the longest token repeated (81 characters in SmolLM2)."""
+    from spmd_engine.job.prompt_chars import NORMALIZATION_SLACK, prompt_char_limit
+
+    real = load_tokenizer(smollm2_dir)
+    limit = prompt_char_limit(real, 32)
+    longest = max(real.get_vocab(), key=len)
+    assert limit.chars_per_token == len(longest) == 81 and limit.max_chars == NORMALIZATION_SLACK * 81 * 32
+    text = real.convert_tokens_to_string([longest]) * 31  # 31 tokens of 81 characters: fits max_model_len=32
+    assert len(real.encode(text)) < 32 and limit.problem(text) is None
+
+    class Spy:
+        """The real tokenizer, counting the characters it is asked to encode."""
+        chat_template = real.chat_template
+        encoded: list[int] = []
+
+        def get_vocab(self):
+            return real.get_vocab()
+
+        def apply_chat_template(self, *args, **kwargs):
+            return real.apply_chat_template(*args, **kwargs)
+
+        def encode(self, text, **kwargs):
+            self.encoded.append(len(text))
+            return real.encode(text, **kwargs)
+
+    spy = Spy()
+    huge, fits = "x" * 5_000_000, "x" * limit.max_chars
+    requests = [PromptRequest(0, huge, None, {}), PromptRequest(1, fits, None, {}),
+                PromptRequest(2, None, None, {}, messages=[{"role": "user", "content": huge}])]
+    tokenize(requests, spy, chat_template=False, char_limit=limit)
+    assert requests[0].error == ("prompt has 5,000,000 characters; max_model_len=32 tokens hold at most 10,368 "
+                                 "with this tokenizer (not tokenized)") and requests[0].prompt_token_ids is None
+    assert requests[1].error is None and requests[1].prompt_token_ids
+    assert spy.encoded == [len(fits)]  # the 5 MB texts never reached the tokenizer
+    assert requests[2].error.startswith("prompt has 5,000,1") and requests[2].prompt_token_ids is None  # rendered
 
 
 def test_validate_prompt():
@@ -147,7 +222,12 @@ def test_every_hostile_line_is_one_error_row_and_the_rest_survive(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_bytes(b"\n".join(lines) + b"\r\n")
     requests = read_prompts(None, str(path))
-    assert [r.index for r in requests] == list(range(len(HOSTILE_LINES) + len(good)))  # blank lines: no request
+    assert [r.index for r in requests] == list(range(len(lines)))  # blank lines: error rows, no index shifts
+    blank = [r for r in requests if r.error is not None and "the line is blank" in r.error]
+    blank_lines = [i + 1 for i, line in enumerate(lines) if not line.decode(errors="replace").strip()]
+    assert [r.index + 1 for r in blank] == blank_lines
+    assert all(r.error.startswith(f"prompts_file line {r.index + 1}: ") for r in blank)
+    requests = [r for r in requests if r not in blank]
     ok = [r for r in requests if r.error is None]
     assert [r.prompt or r.prompt_token_ids for r in ok] == [
         "first, after a BOM", "crlf line", "NEL\u0085 and LINE SEPARATOR\u2028 inside", [4, 5]]

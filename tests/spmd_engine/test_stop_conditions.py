@@ -158,3 +158,29 @@ def test_stop_strings_without_a_tokenizer_are_one_error_row(tiny):
         llm.close()
     assert bad.finish_reason == "error" and "sampling.stop needs the checkpoint's tokenizer" in bad.error
     assert good.error is None and len(good.token_ids) == 4
+
+
+@pytest.mark.parametrize("with_stop_strings", [False, True])
+def test_a_stop_token_s_text_is_left_out_of_text(tiny, with_stop_strings):
+    """vLLM's rule: the token that ended the request (a stop token id, here an ordinary byte token) stays
+    in token_ids but its text is not in `text` unless include_stop_str_in_output."""
+    tokenizer = load_tokenizer(tiny)
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    prompt = [40, 41, 42, 43]
+    llm = _llm(tiny, 16)
+    try:
+        [free] = llm.generate([PromptRequest(0, None, prompt)], decode=decode)
+        stop_token = next(t for t in free.token_ids[2:] if decode([t]).strip())  # a token with text of its own
+        first = free.token_ids.index(stop_token)
+        stops = {"stop": ["zzzqqq"]} if with_stop_strings else {}
+        cut, kept = llm.generate([PromptRequest(0, None, prompt, {"stop_token_ids": [stop_token], **stops}),
+                                  PromptRequest(1, None, prompt, {"stop_token_ids": [stop_token], **stops,
+                                                                  "include_stop_str_in_output": True})],
+                                 decode=decode)
+    finally:
+        llm.close()
+    for out in (cut, kept):
+        assert out.finish_reason == "stop" and out.stop_reason == stop_token
+        assert out.token_ids == free.token_ids[:first + 1]
+    assert cut.text == decode(free.token_ids[:first])
+    assert kept.text == decode(free.token_ids[:first + 1])
