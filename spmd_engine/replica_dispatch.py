@@ -139,6 +139,12 @@ class ChunkBoard:
     def is_finished(self) -> bool:
         return self.store.check([self._key("finished")])
 
+    def forget(self, replicas: int) -> None:
+        """Delete what is left of a finished hand-out (once no rank reads it: every rank saw `finished`),
+        so a loop of many `LLM.generate` calls does not grow the store."""
+        for name in ("chunks", "ready", "next_chunk", "finished", *(f"done/{r}" for r in range(replicas))):
+            self.store.delete_key(self._key(name))
+
 
 @dataclass
 class ClaimedRequests:
