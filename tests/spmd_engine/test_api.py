@@ -178,3 +178,34 @@ def test_cpu_threads_given_to_the_api_is_applied_and_null_leaves_the_process_alo
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_checkpoints_generation_config_sets_the_api_defaults_under_explicit_keys(tmp_path, caplog):
+    """LLM(...) takes the checkpoint's generation_config.json sampling as the job does (vLLM's default):
+    a generate call without SamplingParams samples with it; LLM(sampling={...}) keys win over it."""
+    from spmd_engine import LLM, SamplingParams
+
+    checkpoint = make_tiny_checkpoint(tmp_path / "tiny", arch="qwen3", max_position_embeddings=64)
+    gen = json.loads((checkpoint / "generation_config.json").read_text())
+    gen.update(temperature=1.3, top_p=0.8, top_k=5, repetition_penalty=1.5, do_sample=True)
+    (checkpoint / "generation_config.json").write_text(json.dumps(gen))
+    keys = {"device": "cpu", "block_size": 4, "num_kv_blocks": 64, "max_model_len": 64}
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [9, 10, 11]}]
+    shared = {"max_tokens": 8, "seed": 5, "ignore_eos": True}
+    caplog.set_level("INFO", logger="spmd_engine")
+    llm = LLM(model=str(checkpoint), sampling=shared, **keys)
+    try:
+        defaults = [o.outputs[0].token_ids for o in llm.generate(prompts)]
+        as_checkpoint = SamplingParams(temperature=1.3, top_p=0.8, top_k=5, repetition_penalty=1.5, **shared)
+        conf_only = SamplingParams(**shared)  # the config's own defaults (temperature 0.6, top_p 0.95, no top_k)
+        assert defaults == [o.outputs[0].token_ids for o in llm.generate(prompts, as_checkpoint)]
+        assert defaults != [o.outputs[0].token_ids for o in llm.generate(prompts, conf_only)]
+    finally:
+        llm.close()
+    assert "sampling defaults from" in caplog.text and "top_k=5" in caplog.text
+    caplog.clear()
+    llm = LLM(model=str(checkpoint), sampling={"temperature": 0.0, "top_k": -1}, **keys)
+    assert "LLM(sampling=...) keeps temperature, top_k" in caplog.text
+    sampling = llm.engine.cfg.sampling
+    llm.close()
+    assert (sampling.temperature, sampling.top_k, sampling.top_p, sampling.repetition_penalty) == (0.0, -1, 0.8, 1.5)
