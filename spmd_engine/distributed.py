@@ -138,6 +138,14 @@ def is_distributed() -> bool:
     return dist.is_initialized() and dist.get_world_size() > 1
 
 
+def default_store() -> dist.Store:
+    """The default group's rendezvous store (a TCPStore under torchrun, srun or `init_process_group`).
+
+    Why: the replicas of an `LLM.generate` call hand out requests through it as the Hydra job does,
+    whoever made the group (the LLM, or the training program that embeds it) and however."""
+    return dist.distributed_c10d._get_default_store()
+
+
 def broadcast_object(obj: object, src: int = 0, group: dist.ProcessGroup | None = None) -> object:
     """Send one picklable object from global rank `src` to every rank of `group` (None: all ranks)
     over the CPU side of the group."""

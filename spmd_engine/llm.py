@@ -3,8 +3,9 @@
 Why: users already know vLLM's offline API, and a library call should not need a Hydra command
 line. The config is composed from the same `conf/` that `run.py` uses (Hydra's compose API), so
 defaults have one source and a bad keyword fails with the same one-line error as a bad CLI key.
-Under torchrun/srun every rank builds the same LLM and makes the same calls: rank 0 tokenizes and
-plans, every rank runs the forward, and the outputs are broadcast so every rank returns them.
+Under torchrun/srun every rank builds the same LLM and makes the same calls: rank 0 tokenizes and hands
+the requests out to the data-parallel replicas as they have room (as `run.py` does), each replica's
+leader plans its share, every rank runs the forward, and every rank returns every output in order.
 """
 from __future__ import annotations
 
@@ -19,10 +20,12 @@ from spmd_engine.config import (ConfigError, EngineConfig, engine_config_from_di
                                 store_config_defaults)
 from spmd_engine.core.requests import PolledRequests, PromptRequest, RequestOutput
 from spmd_engine.core.sequence import SamplingParams
-from spmd_engine.distributed import (RankInfo, broadcast_object, destroy_process_group, discover_ranks,
-                                     init_process_group, is_distributed)
+from spmd_engine.distributed import (RankInfo, destroy_process_group, discover_ranks, init_process_group,
+                                     is_distributed)
 from spmd_engine.engine import Engine, agreed
 from spmd_engine.faults.progress import StepProgress
+from spmd_engine.generation_defaults import checkpoint_sampling
+from spmd_engine.replica_generate import generate_on_replicas
 from spmd_engine.tokenizer import load_tokenizer
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -111,6 +114,8 @@ class LLM:
         init_process_group(ranks, startup.device != "cpu" and _cuda_available(), startup.timeout_s,
                            startup.rendezvous_timeout_s)
         cfg = agreed(lambda: engine_config_from_dict(raw))
+        # the checkpoint's generation_config.json under the conf defaults, as the job applies it (vLLM's default)
+        cfg.sampling = agreed(lambda: checkpoint_sampling(cfg, _explicit_sampling(engine_keys), "LLM(sampling=...)"))
         if cfg.cpu_threads is not None:  # null: the program that embeds the LLM owns its process's threads
             apply_cpu_threads(cfg, ranks)
         self._init(cfg, ranks)
@@ -127,6 +132,8 @@ class LLM:
     def _init(self, cfg: EngineConfig, ranks: RankInfo, step_progress: StepProgress | None = None) -> None:
         self._engine = engine = Engine(cfg, ranks, step_progress=step_progress)
         self.ranks: RankInfo = ranks
+        # how many requests each data-parallel replica ran in the last generate/chat call (index: replica)
+        self.requests_per_replica: list[int] = []
         tokenizer_dir = engine.source.tokenizer_dir
         try:  # every replica's leader decodes its own outputs (a data-parallel job's replicas write their rows)
             self.tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir and engine.replica.is_leader else None
@@ -244,9 +251,18 @@ class LLM:
         return request
 
     def _run(self, requests: list[PromptRequest], use_tqdm: bool) -> list[GenerationOutput]:
-        outputs = self.stream(requests if self.ranks.is_first else [], progress=use_tqdm)
-        results = GenerationOutput.from_engine(outputs)
-        return broadcast_object(results)  # every rank returns rank 0's outputs
+        """Rank 0's `requests` handed out over the replicas; every rank returns every output, in order."""
+        results, self.requests_per_replica = generate_on_replicas(
+            self.stream, self._engine, requests, use_tqdm,
+            GenerationOutput.from_engine)
+        return results
+
+
+def _explicit_sampling(engine_keys: dict[str, Any]) -> set[str]:
+    """The sampling keys `LLM(sampling=...)` sets: they win over the checkpoint's generation_config.json."""
+    given = engine_keys.get("sampling")
+    return set(given) if isinstance(given, dict) else set()
+
 
 def _overrides(params: SamplingParams | None) -> dict[str, Any]:
     """A request's sampling as the engine takes it: every field of `params`, or none (conf's defaults)."""

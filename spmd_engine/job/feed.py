@@ -6,9 +6,8 @@ handed out and not yet written.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from itertools import islice
 from typing import Any
 
 from spmd_engine.config import EngineConfig
@@ -17,8 +16,9 @@ from spmd_engine.job.outputs import resume_mismatch, row_key
 from spmd_engine.job.prompt_chars import PromptCharLimit, prompt_char_limit
 from spmd_engine.job.prompts import DEFAULT_PROMPTS, iter_prompts, tokenize
 from spmd_engine.job.workloads import bench_requests, default_token_requests
+from spmd_engine.replica_dispatch import CHUNK_REQUESTS, chunk_size, chunked
 
-CHUNK_REQUESTS = 64  # requests read and tokenized at a time (dp=1), at most one chunk handed out (dp>1)
+__all__ = ["CHUNK_REQUESTS", "RequestFeed", "chunk_size", "chunked", "source_requests"]
 
 
 def source_requests(cfg: EngineConfig, has_tokenizer: bool, vocab_size: int) -> tuple[Iterator[PromptRequest], int]:
@@ -36,24 +36,9 @@ def source_requests(cfg: EngineConfig, has_tokenizer: bool, vocab_size: int) -> 
     return iter(requests), len(requests)
 
 
-def chunk_size(total: int, replicas: int, max_num_seqs: int) -> int:
-    """Requests per chunk: CHUNK_REQUESTS with one replica (reading granularity); with several, small
-    enough that each replica takes ~8 chunks of the job and one chunk never outgrows a batch, so the
-    replicas that finish first take the rest (the balance is as fine as one chunk)."""
-    if replicas == 1:
-        return CHUNK_REQUESTS
-    return max(1, min(CHUNK_REQUESTS, max_num_seqs, -(-total // (8 * replicas))))
-
-
 def row_error(row: dict) -> bool:
     """An error row: the request's only row, whatever its sampling.n (it never ran)."""
     return row.get("finish_reason") == "error"
-
-
-def chunked(items: Iterable[PromptRequest], size: int) -> Iterator[list[PromptRequest]]:
-    items = iter(items)
-    while chunk := list(islice(items, size)):
-        yield chunk
 
 
 @dataclass

@@ -45,14 +45,28 @@ def test_unknown_engine_keyword_is_one_line_with_its_near_miss():
         LLM(model="smollm2", block_sise=16)
 
 
-def test_every_rank_returns_the_same_outputs(tmp_path):
-    checkpoint = make_tiny_checkpoint(tmp_path / "tiny", arch="qwen3", max_position_embeddings=64)
-    out_dir = tmp_path / "out"
+@pytest.fixture(scope="module")
+def api_launches(tmp_path_factory):
+    """One 2-rank launch (the default layout, then data_parallel_size=2 in its group) and one 4-rank launch
+    (2 replicas x 2 tensor-parallel ranks), run at once; every rank's answers under the returned dir."""
+    root = tmp_path_factory.mktemp("api_ranks")
+    checkpoint = make_tiny_checkpoint(root / "tiny", arch="qwen3", max_position_embeddings=64)
+    out_dir = root / "out"
     out_dir.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(REPO / "tests" / "helpers" / "api_ranks.py"), str(checkpoint), str(out_dir)]
-    [run] = _run_all([(cmd, engine_env())], tmp_path, timeout_s=240)
-    run.check()
+    helper = str(REPO / "tests" / "helpers" / "api_ranks.py")
+
+    def launch(nproc: int, *layouts: str) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", helper,
+                str(checkpoint), str(out_dir), *layouts]
+
+    for run in _run_all([(launch(2, "tp", "dp"), engine_env()), (launch(4, "dp_tp"), engine_env())], root,
+                        timeout_s=360):
+        run.check()
+    return checkpoint, out_dir
+
+
+def test_every_rank_returns_the_same_outputs(api_launches):
+    _, out_dir = api_launches
     rank0, rank1 = (json.loads((out_dir / f"rank{r}.json").read_text()) for r in (0, 1))
     assert rank0 == rank1
     assert [o["prompt"] for o in rank0] == ["hello", None, None]
@@ -60,6 +74,34 @@ def test_every_rank_returns_the_same_outputs(tmp_path):
     assert len(ok["token_ids"]) == 6 and ok["finish_reason"] == "length" and isinstance(ok["text"], str)
     assert rank0[0]["prompt_token_ids"] and rank0[0]["outputs"][0]["text"] is not None
     assert error["finish_reason"] == "error" and error["error"] == "prompt is empty"
+
+
+@pytest.mark.parametrize("layout,nproc", [("dp", 2), ("dp_tp", 4)], ids=["dp2", "dp2xtp2"])
+def test_replicas_share_a_generate_call_and_every_rank_returns_the_one_process_outputs(api_launches, layout, nproc):
+    """Every rank calls generate / chat alike under data_parallel_size=2: the requests are handed out over
+    both replicas (each ran some), and every rank returns the one-process outputs (greedy and seeded),
+    in submission order."""
+    from spmd_engine import LLM
+    from tests.helpers.api_ranks import REPLICA_KEYS, REPLICA_PROMPTS, replica_calls
+
+    checkpoint, out_dir = api_launches
+    llm = LLM(model=str(checkpoint), **REPLICA_KEYS)
+    try:
+        reference = replica_calls(llm)
+    finally:
+        llm.close()
+    assert reference["requests_per_replica"] == [len(REPLICA_PROMPTS)]
+    ranks = [json.loads((out_dir / f"rank{r}-{layout}.json").read_text()) for r in range(nproc)]
+    for rank, got in enumerate(ranks):
+        assert got["generate"] == reference["generate"], rank
+        assert got["chat"] == reference["chat"], rank
+        assert [o["request_id"] for o in got["generate"]] == list(range(len(REPLICA_PROMPTS)))
+    counts = ranks[0]["requests_per_replica"]
+    assert all(r["requests_per_replica"] == counts for r in ranks)
+    assert len(counts) == 2 and sum(counts) == len(REPLICA_PROMPTS) and min(counts) > 0, counts
+    outputs = [o["outputs"][0] for o in reference["generate"]]
+    assert outputs[-1]["error"] == "prompt is empty"  # an error request is handed out and comes back too
+    assert all(len(o["token_ids"]) == 3 + i for i, o in enumerate(outputs[:-1]))
 
 
 def _tiny_llm(tmp_path, max_num_seqs: int = 2, **keys):
@@ -154,3 +196,34 @@ def test_cpu_threads_given_to_the_api_is_applied_and_null_leaves_the_process_alo
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_checkpoints_generation_config_sets_the_api_defaults_under_explicit_keys(tmp_path, caplog):
+    """LLM(...) takes the checkpoint's generation_config.json sampling as the job does (vLLM's default):
+    a generate call without SamplingParams samples with it; LLM(sampling={...}) keys win over it."""
+    from spmd_engine import LLM, SamplingParams
+
+    checkpoint = make_tiny_checkpoint(tmp_path / "tiny", arch="qwen3", max_position_embeddings=64)
+    gen = json.loads((checkpoint / "generation_config.json").read_text())
+    gen.update(temperature=1.3, top_p=0.8, top_k=5, repetition_penalty=1.5, do_sample=True)
+    (checkpoint / "generation_config.json").write_text(json.dumps(gen))
+    keys = {"device": "cpu", "block_size": 4, "num_kv_blocks": 64, "max_model_len": 64}
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [9, 10, 11]}]
+    shared = {"max_tokens": 8, "seed": 5, "ignore_eos": True}
+    caplog.set_level("INFO", logger="spmd_engine")
+    llm = LLM(model=str(checkpoint), sampling=shared, **keys)
+    try:
+        defaults = [o.outputs[0].token_ids for o in llm.generate(prompts)]
+        as_checkpoint = SamplingParams(temperature=1.3, top_p=0.8, top_k=5, repetition_penalty=1.5, **shared)
+        conf_only = SamplingParams(**shared)  # the config's own defaults (temperature 0.6, top_p 0.95, no top_k)
+        assert defaults == [o.outputs[0].token_ids for o in llm.generate(prompts, as_checkpoint)]
+        assert defaults != [o.outputs[0].token_ids for o in llm.generate(prompts, conf_only)]
+    finally:
+        llm.close()
+    assert "sampling defaults from" in caplog.text and "top_k=5" in caplog.text
+    caplog.clear()
+    llm = LLM(model=str(checkpoint), sampling={"temperature": 0.0, "top_k": -1}, **keys)
+    assert "LLM(sampling=...) keeps temperature, top_k" in caplog.text
+    sampling = llm.engine.cfg.sampling
+    llm.close()
+    assert (sampling.temperature, sampling.top_k, sampling.top_p, sampling.repetition_penalty) == (0.0, -1, 0.8, 1.5)

@@ -21,6 +21,11 @@ FORBIDDEN = {
     # rank 0's loop: below the engine that starts it, above the scheduler and the executor it drives
     "spmd_engine.step_loop": ("spmd_engine.job", "spmd_engine.engine", "spmd_engine.llm", "spmd_engine.api"),
     "spmd_engine.llm": ("spmd_engine.job",),  # the public API stands without the Hydra job
+    # what the API shares with the job (the replicas' hand-out, the checkpoint's sampling defaults) stands below both
+    "spmd_engine.replica_dispatch": ("spmd_engine.job", "spmd_engine.llm", "spmd_engine.engine",
+                                     "spmd_engine.executor"),
+    "spmd_engine.replica_generate": ("spmd_engine.job", "spmd_engine.llm"),
+    "spmd_engine.generation_defaults": ("spmd_engine.job", "spmd_engine.llm"),
     "spmd_engine.tokenizer": ("spmd_engine.job", "spmd_engine.engine", "spmd_engine.llm", "spmd_engine.core",
                               "spmd_engine.executor"),
     "spmd_engine.telemetry": ("spmd_engine.core", "spmd_engine.executor", "spmd_engine.job", "spmd_engine.engine"),
