@@ -30,6 +30,7 @@ import repo_root  # noqa: F401  (this checkout's engine, before any import of it
 from spmd_engine.executor.logits_processors import apply_min_p
 from spmd_engine.executor.sampler import Sampler, SamplingBatch, _sample_top_k, sample_uniform
 from spmd_engine.kernels.top_k_sample import k_cap_for, make_scratch, top_k_sample
+from tests.helpers.graph_capture import capture
 
 VOCAB = 151_936
 MODES = {  # name: (temperature, top_p, top_k, min_p)
@@ -54,18 +55,6 @@ def timed(fn, reps: int) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) * 1000)
     return statistics.median(times)
-
-
-def graphed(fn) -> torch.cuda.CUDAGraph:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
 
 
 def keys(batch: SamplingBatch) -> dict[str, torch.Tensor]:
@@ -102,7 +91,7 @@ def bench_mode(name: str, logits: torch.Tensor, reps: int) -> str:
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if top_k > 0:
         scratch = make_scratch(rows, logits.shape[1], 32, logits.device)
-        graph = graphed(lambda: sample_uniform("top_k", logits, k["temperatures"], k["seeds"], k["counters"], out,
+        graph, _ = capture(lambda: sample_uniform("top_k", logits, k["temperatures"], k["seeds"], k["counters"], out,
                                                k["top_k"], k["top_p"], scratch))
         args = (logits, k["temperatures"], k["top_k"], k["top_p"], k["seeds"], k["counters"])
 
@@ -118,7 +107,7 @@ def bench_mode(name: str, logits: torch.Tensor, reps: int) -> str:
                  f"  kernel {timed(lambda: top_k_sample(*args, k_cap_for(top_k), out, scratch), reps):9.1f}"
                  f"  same tokens: {int((~differ).sum())}/{rows} ({int(ties.sum())} rows tied at rank k)")
     elif top_p >= 1.0:
-        graph = graphed(lambda: sample_uniform("plain", logits, k["temperatures"], k["seeds"], k["counters"], out))
+        graph, _ = capture(lambda: sample_uniform("plain", logits, k["temperatures"], k["seeds"], k["counters"], out))
         line += f"  graph {timed(graph.replay, reps):9.1f}"
     return line
 
