@@ -98,12 +98,7 @@ class BlockManager:
                 seq.block_table.append(block_id)
                 num_hit_blocks, parent = num_hit_blocks + 1, block_hash
             self._chain[seq.seq_id] = (num_hit_blocks, parent)
-        num_cached = num_hit_blocks * self.block_size
-        seq.num_computed_tokens = num_cached
-        seq.num_cached_tokens = num_cached
-        self.prefix_cache_queries += seq.num_tokens
-        self.prefix_cache_hits += num_cached
-        return num_cached
+        return self._admitted_with(seq, num_hit_blocks * self.block_size)
 
     def fork_prefix(self, seq: Sequence, source: Sequence, num_blocks: int) -> int:
         """Admit `seq` on the first `num_blocks` blocks of `source` (a sibling completion of the same
@@ -122,12 +117,15 @@ class BlockManager:
         seq.block_table = list(shared)
         if self.enable_prefix_caching:
             self._chain[seq.seq_id] = (0, None)  # its first completed block re-derives the chain (hits, no copy)
-        num_shared = num_blocks * self.block_size
-        seq.num_computed_tokens = num_shared
-        seq.num_cached_tokens = num_shared
+        return self._admitted_with(seq, num_blocks * self.block_size)
+
+    def _admitted_with(self, seq: Sequence, num_tokens: int) -> int:
+        """An admission's accounting: `seq` starts with `num_tokens` tokens of KV it did not compute."""
+        seq.num_computed_tokens = num_tokens
+        seq.num_cached_tokens = num_tokens
         self.prefix_cache_queries += seq.num_tokens
-        self.prefix_cache_hits += num_shared
-        return num_shared
+        self.prefix_cache_hits += num_tokens
+        return num_tokens
 
     def num_tokens_to_compute(self, seq: Sequence, use_cache: bool = True) -> int:
         """What `allocate_prefix(seq, use_cache)` now would leave to compute: its tokens past the cached
