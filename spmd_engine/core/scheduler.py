@@ -102,6 +102,12 @@ def _uses_prefix_cache(seq: Sequence) -> bool:
     return seq.params.prompt_logprobs is None
 
 
+def _shareable_prompt_blocks(seq: Sequence, block_size: int) -> int:
+    """The full blocks of prompt tokens a later completion may share, short of the block with its last token
+    (one token must be computed for its logits)."""
+    return min(seq.num_prompt_tokens, seq.num_tokens - 1) // block_size
+
+
 class Scheduler:
     """Owns the waiting queue, the running list and the block manager (rank 0 only)."""
 
@@ -141,7 +147,7 @@ class Scheduler:
         would find it (a later completion of an n-sample request: past the prompt blocks it will share)."""
         bm = self.block_manager
         if seq.fork_from is not None and not seq.fork_from.is_finished:
-            return seq.num_tokens - min(seq.num_prompt_tokens, seq.num_tokens - 1) // bm.block_size * bm.block_size
+            return seq.num_tokens - _shareable_prompt_blocks(seq, bm.block_size) * bm.block_size
         return bm.num_tokens_to_compute(seq, use_cache=_uses_prefix_cache(seq))
 
     @property
@@ -287,7 +293,7 @@ class Scheduler:
         source = seq.fork_from
         if source is None or source.status is not SequenceStatus.RUNNING:
             return 0
-        num_blocks = min(seq.num_prompt_tokens, seq.num_tokens - 1) // self.block_manager.block_size
+        num_blocks = _shareable_prompt_blocks(seq, self.block_manager.block_size)
         if num_blocks == 0:
             return 0
         computed = source.num_computed_tokens
