@@ -94,6 +94,7 @@ class StepLoop:
         self.outputs: list[RequestOutput] = []
         self.live: dict[int, tuple[Sequence, RequestOutput]] = {}
         self.texts: dict[int, OutputText] = {}  # seq_id -> its followed text (requests with stop strings)
+        self.fed = 0  # requests pulled so far
         self.next_seq_id = 0  # one sequence per completion (sampling.n of them per request)
         self.unfinished_children: dict[int, int] = {}  # first completion's seq_id -> the request's still running
         self.prompt_tokens = 0  # unique prompt tokens of the requests admitted (each n-sample family once)
@@ -122,6 +123,7 @@ class StepLoop:
                 self.fed_all = True
                 return
             queued += self._admit(request)
+            self.fed += 1
 
     def _admit(self, req: PromptRequest) -> int:
         """Queue `req` as its `n` completions (or finish it as an error row) -> the tokens it queued."""
