@@ -34,7 +34,7 @@ import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
 from spmd_engine.kernels.pdl import pdl_launch, pdl_prologue, triton_interpreting
-from spmd_engine.kernels.reference import COLUMN_MUL, HASH_MUL1, HASH_MUL2, LANE_A, LANE_B
+from spmd_engine.kernels.reference import COLUMN_MUL, HASH_MUL1, HASH_MUL2, LANE_A, LANE_B, NUCLEUS_MASS_ONE
 from spmd_engine.kernels.sampling_noise import _column_hash, _float_key, _gumbel_from_hash, _row_keys
 
 GROUP = 16  # columns per group of the candidate bound
@@ -74,6 +74,16 @@ def _exp64(x):
         return libdevice.exp(x)
     else:
         return tl.exp(x)
+
+
+@triton.jit
+def _add_rn(x, y):
+    """x + y rounded once, as torch's float32 add: a plain add may be fused with the multiply that ends
+    the noise's log (`fast_logf`) into an FMA, which rounds once less."""
+    if _LIBDEVICE:
+        return libdevice.add_rn(x, y)
+    else:
+        return x + y
 
 
 @triton.jit
@@ -132,7 +142,8 @@ def _candidates_kernel(logits, temps, top_ks, cand_n, cand_x, cand_col, vocab, s
 @triton.jit
 def _draw_kernel(temps, top_ks, top_ps, seeds, counters, cand_n, cand_x, cand_col, tokens, num_chunks,
                  K_CAP: tl.constexpr, SLOTS: tl.constexpr, CBLOCK: tl.constexpr, MUL1: tl.constexpr,
-                 MUL2: tl.constexpr, A0: tl.constexpr, B0: tl.constexpr, CMUL: tl.constexpr, USE_PDL: tl.constexpr):
+                 MUL2: tl.constexpr, A0: tl.constexpr, B0: tl.constexpr, CMUL: tl.constexpr, MASS_ONE: tl.constexpr,
+                 USE_PDL: tl.constexpr):
     """One row: its k best candidates in rank order, the nucleus inside them, the race over the kept."""
     pdl_prologue(USE_PDL)  # kernels/pdl.py: before any memory access
     row = tl.program_id(0).to(tl.int64)
@@ -148,8 +159,8 @@ def _draw_kernel(temps, top_ks, top_ps, seeds, counters, cand_n, cand_x, cand_co
         ranks = tl.arange(0, K_CAP)
         z_ranked = tl.full((K_CAP,), float("-inf"), tl.float32)
         col_ranked = tl.full((K_CAP,), _NO_COLUMN, tl.int32)
-        before = tl.zeros((K_CAP,), tl.float64)  # mass of the better ranks (cumsum - weight, as the torch path)
-        mass = tl.zeros((), tl.float64)
+        before = tl.zeros((K_CAP,), tl.int64)  # mass of the better ranks (fixed point, as the torch path)
+        mass = tl.zeros((), tl.int64)
         z_top = tl.zeros((), tl.float64)
         for i in range(0, k):
             best = tl.max(tl.max(x, axis=1), axis=0)
@@ -158,19 +169,19 @@ def _draw_kernel(temps, top_ks, top_ps, seeds, counters, cand_n, cand_x, cand_co
             real = best > float("-inf")
             z = tl.div_rn(best, temp)
             z_top = tl.where(i == 0, z.to(tl.float64), z_top)
-            weight = tl.where(real, _exp64(z.to(tl.float64) - z_top), 0.0)
-            summed = mass + weight
+            shifted = tl.where(real, z.to(tl.float64) - z_top, float("-inf"))
+            weight = (_exp64(shifted) * MASS_ONE).to(tl.int64)  # truncated, as torch's .long()
             here = ranks == i
-            before = tl.where(here, summed - weight, before)
+            before = tl.where(here, mass, before)
             z_ranked = tl.where(here, z, z_ranked)
             col_ranked = tl.where(here, tl.where(real, pick, _NO_COLUMN), col_ranked)
-            mass = summed
+            mass += weight
         top_p = tl.load(top_ps + row)
-        cut = tl.where(top_p < 1.0, top_p * mass, float("inf"))
-        kept = (col_ranked != _NO_COLUMN) & (before < cut)
+        cut = tl.where(top_p < 1.0, top_p * mass.to(tl.float64), float("inf"))
+        kept = (col_ranked != _NO_COLUMN) & (before.to(tl.float64) < cut)
         a, b = _row_keys(tl.load(seeds + row).to(tl.int64), tl.load(counters + row).to(tl.int64),
                          tl.full((), 0, tl.uint32), MUL1, MUL2, A0, B0)
-        score = z_ranked + _gumbel_from_hash(_column_hash(a, b, col_ranked, MUL1, MUL2, CMUL))
+        score = _add_rn(z_ranked, _gumbel_from_hash(_column_hash(a, b, col_ranked, MUL1, MUL2, CMUL)))
         score = tl.where(kept, score, float("-inf"))
         top = tl.max(score, axis=0)
         token = tl.min(tl.where(kept & (score == top), col_ranked, _NO_COLUMN), axis=0)
@@ -235,5 +246,6 @@ def top_k_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch
     _draw_kernel[(rows,)](
         temps, top_ks, top_ps, seeds, counters, cand_n, cand_x, cand_col, tokens, num_chunks,
         K_CAP=k_cap, SLOTS=slots, CBLOCK=triton.next_power_of_2(num_chunks), MUL1=HASH_MUL1, MUL2=HASH_MUL2,
-        A0=LANE_A, B0=LANE_B, CMUL=COLUMN_MUL, num_warps=4 if k_cap <= 32 else 16, **pdl)
+        A0=LANE_A, B0=LANE_B, CMUL=COLUMN_MUL, MASS_ONE=NUCLEUS_MASS_ONE,
+        num_warps=4 if k_cap <= 32 else 16, **pdl)
     return tokens
