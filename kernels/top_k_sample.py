@@ -12,18 +12,20 @@ Here the keys are device tensors (a CUDA graph can replay the draw) and the voca
    k << GROUPS. The survivors are compacted into the row's scratch (at most CAP per chunk); a chunk
    with more (ties, structured logits) takes its exact top k by k rounds of max extraction instead.
 2. `_draw_kernel`, one program per row: the row's k best candidates by (logit, lowest column), in rank
-   order, each divided by T (a true division); the nucleus within the renormalised top-k from float64
-   weights exp(z - z_max) summed sequentially in rank order (a rank is kept when the mass before it,
-   cumsum - weight, is < top_p * the top-k's mass; top_p >= 1 keeps all); then the Gumbel race over the
-   kept candidates with the round-0 noise of their original columns (`sampling_noise._column_hash`),
-   ties to the lowest column.
+   order, each divided by T (a true division); the nucleus within the renormalised top-k from fixed-point
+   weights trunc(exp(z - z_max) * 2**52) (float64 exp, int64 sums: exact in any order), a rank kept when
+   the mass before it is < top_p * the top-k's mass (as float64; top_p >= 1 keeps all); then the Gumbel
+   race over the kept candidates with the round-0 noise of their original columns
+   (`sampling_noise._column_hash`) added in one rounding (`_add_rn`: no FMA), ties to the lowest column.
 
-Exactness: the draw is `reference.top_k_sample_reference` (a stable sort, then the same float64 sums in
-the same order), which is `sampler._sample_top_k` (torch.topk) except where tied logits straddle a row's
-k-th rank (either tied token is a valid top-k) or the nucleus cut; on the GPU the float64 exp is
-libdevice's, the noise's log the hardware's (as every noise kernel here). A row's token depends on its own
-logits and keys only: not on `k_cap`, the chunking or the other rows. Rows whose temperature is 0 are
-skipped (their token left as it was): a sampler graph's padding rows.
+Exactness: the draw is `reference.top_k_sample_reference` and `sampler._sample_top_k` token for token,
+ties included (tied logits rank lowest column first, at the k-th rank as at the nucleus cut; -0.0 ties
++0.0). The only arithmetic that is each device's own is the float64 exp (libdevice's here, torch's
+there): a one-ulp difference moves a weight by at most one 2**-52 unit, which decides a token only if the
+cut falls within that of a rank's mass. The noise's log is the hardware's, as in every noise kernel (the
+torch path's noise comes from `sampling_noise.gumbel_noise_at`, the same code). A row's token depends on
+its own logits and keys only: not on `k_cap`, the chunking or the other rows. Rows whose temperature is
+0 are skipped (their token left as it was): a sampler graph's padding rows.
 """
 from __future__ import annotations
 

@@ -321,8 +321,8 @@ class Sampler:
 def _sample_top_k_cuda(logits: torch.Tensor, batch: SamplingBatch, keys: _GroupKeys) -> torch.Tensor:
     """The top-k group on CUDA: rows of k up to TOP_K_KERNEL_MAX by the Triton kernel
     (kernels/top_k_sample.py: one read of the logits, no host-to-device copy beyond the keys), larger k by
-    `_sample_top_k`. Which one a row takes depends on its own k alone (the determinism rule: the two
-    differ where tied logits straddle the k-th rank)."""
+    `_sample_top_k`. Which one a row takes depends on its own k alone (the determinism rule; the two
+    draw the same token, ties included)."""
     from spmd_engine.kernels.top_k_sample import TOP_K_KERNEL_MAX, k_cap_for, top_k_sample
     wide = batch.top_k > TOP_K_KERNEL_MAX
     if not wide.any():
