@@ -16,7 +16,8 @@ Here the keys are device tensors (a CUDA graph can replay the draw) and the voca
    weights trunc(exp(z - z_max) * 2**52) (float64 exp, int64 sums: exact in any order), a rank kept when
    the mass before it is < top_p * the top-k's mass (as float64; top_p >= 1 keeps all); then the Gumbel
    race over the kept candidates with the round-0 noise of their original columns
-   (`sampling_noise._column_hash`) added in one rounding (`_add_rn`: no FMA), ties to the lowest column.
+   (`sampling_noise._column_hash`) added in one IEEE rounding (`_add_rn`: no FMA, no flush), ties to the
+   lowest column.
 
 Exactness: the draw is `reference.top_k_sample_reference` and `sampler._sample_top_k` token for token,
 ties included (tied logits rank lowest column first, at the k-th rank as at the nucleus cut; -0.0 ties
@@ -80,10 +81,12 @@ def _exp64(x):
 
 @triton.jit
 def _add_rn(x, y):
-    """x + y rounded once, as torch's float32 add: a plain add may be fused with the multiply that ends
-    the noise's log (`fast_logf`) into an FMA, which rounds once less."""
+    """float32 x + y rounded once, subnormals kept, as torch's add: a plain add may be fused with the
+    multiply that ends the noise's log (`fast_logf`) into an FMA (which rounds once less), and
+    libdevice's add_rn flushes subnormals to zero. An explicit `add.rn.f32` is neither."""
     if _LIBDEVICE:
-        return libdevice.add_rn(x, y)
+        return tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=f,f,f", [x, y], dtype=tl.float32,
+                                         is_pure=True, pack=1)
     else:
         return x + y
 
