@@ -161,6 +161,9 @@ def linear_reference(
 HASH_MUL1, HASH_MUL2 = 0x85EBCA6B, 0xC2B2AE35  # murmur3's 32-bit finalizer
 LANE_A, LANE_B = 0x6A09E667, 0xBB67AE85  # start values of the two row-key lanes
 COLUMN_MUL = 0x9E3779B1
+# the top-k nucleus weights' fixed-point unit: exp(z - z_max) <= 1 as an int64 count of 2**-52, so the
+# masses are exact integer sums, the same whatever order a device sums them in (1024 ranks: < 2**62)
+NUCLEUS_MASS_ONE = float(2**52)
 
 
 def _fmix32(h: np.ndarray) -> np.ndarray:
@@ -240,24 +243,30 @@ def gumbel_noise_at_reference(seeds: torch.Tensor, counters: torch.Tensor, round
     return torch.from_numpy(_gumbel_from_hash_np(bits)).to(seeds.device)
 
 
+def _zero_as_positive(x: torch.Tensor) -> torch.Tensor:
+    """-0.0 as +0.0: a sort's order of the two zeros is the order of their bits (the kernel ties them)."""
+    return x.masked_fill(x == 0, 0.0)
+
+
 def top_k_sample_reference(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor,
                            top_ps: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
     """The top-k draw of `kernels/top_k_sample.py`, op by op: each row's k largest logits (float32) by a
-    stable sort (ties to the lowest column), divided by T (a true division); the nucleus within the top-k
-    from float64 weights exp(z - z_max) summed in rank order (a rank is kept when cumsum - weight <
-    top_p * the top-k's mass, or top_p >= 1); the race z + round-0 Gumbel noise of each kept column,
-    ties to the lowest column. The sampler's torch path (`executor/sampler._sample_top_k`, torch.topk)
-    draws the same token unless tied logits straddle a row's k-th rank."""
-    values, order = logits.float().sort(dim=-1, descending=True, stable=True)
+    stable sort (ties to the lowest column, -0.0 taken as +0.0), divided by T (a true division); the nucleus
+    within the top-k from fixed-point weights trunc(exp(z - z_max) * NUCLEUS_MASS_ONE) (float64 exp, int64
+    sums: exact in any order), a rank kept when the mass before it is < top_p * the top-k's mass (both as
+    float64), or top_p >= 1; the race z + round-0 Gumbel noise of each kept column (one float32 add), ties
+    to the lowest column. The sampler's torch path (`executor/sampler._sample_top_k`) draws the same token."""
+    values, order = _zero_as_positive(logits.float()).sort(dim=-1, descending=True, stable=True)
     tokens = []
     for i in range(logits.shape[0]):
         k = int(top_ks[i])
-        z = values[i, :k] / temperatures[i].float()
+        z = values[i, :k] / temperatures[i].float().to(values.device)
         cols = order[i, :k]
-        weights = (z.double() - z[0].double()).exp()
-        cumulative = weights.cumsum(dim=0)
+        shifted = (z.double() - z[0].double()).masked_fill(z == float("-inf"), float("-inf"))
+        weights = (shifted.exp() * NUCLEUS_MASS_ONE).long()
+        before = weights.cumsum(dim=0) - weights
         p = float(top_ps[i])
-        keep = (cumulative - weights) < (p * cumulative[-1] if p < 1.0 else float("inf"))
+        keep = before.double() < (p * float(weights.sum().double()) if p < 1.0 else float("inf"))
         noise = gumbel_noise_at_reference(seeds[i:i + 1], counters[i:i + 1], 0, cols[None, :])[0].to(z.device)
         scores = (z + noise).masked_fill(~keep, float("-inf"))
         tokens.append(int(cols[scores == scores.max()].min()))

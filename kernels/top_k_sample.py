@@ -12,18 +12,21 @@ Here the keys are device tensors (a CUDA graph can replay the draw) and the voca
    k << GROUPS. The survivors are compacted into the row's scratch (at most CAP per chunk); a chunk
    with more (ties, structured logits) takes its exact top k by k rounds of max extraction instead.
 2. `_draw_kernel`, one program per row: the row's k best candidates by (logit, lowest column), in rank
-   order, each divided by T (a true division); the nucleus within the renormalised top-k from float64
-   weights exp(z - z_max) summed sequentially in rank order (a rank is kept when the mass before it,
-   cumsum - weight, is < top_p * the top-k's mass; top_p >= 1 keeps all); then the Gumbel race over the
-   kept candidates with the round-0 noise of their original columns (`sampling_noise._column_hash`),
-   ties to the lowest column.
+   order, each divided by T (a true division); the nucleus within the renormalised top-k from fixed-point
+   weights trunc(exp(z - z_max) * 2**52) (float64 exp, int64 sums: exact in any order), a rank kept when
+   the mass before it is < top_p * the top-k's mass (as float64; top_p >= 1 keeps all); then the Gumbel
+   race over the kept candidates with the round-0 noise of their original columns
+   (`sampling_noise._column_hash`) added in one IEEE rounding (`_add_rn`: no FMA, no flush), ties to the
+   lowest column.
 
-Exactness: the draw is `reference.top_k_sample_reference` (a stable sort, then the same float64 sums in
-the same order), which is `sampler._sample_top_k` (torch.topk) except where tied logits straddle a row's
-k-th rank (either tied token is a valid top-k) or the nucleus cut; on the GPU the float64 exp is
-libdevice's, the noise's log the hardware's (as every noise kernel here). A row's token depends on its own
-logits and keys only: not on `k_cap`, the chunking or the other rows. Rows whose temperature is 0 are
-skipped (their token left as it was): a sampler graph's padding rows.
+Exactness: the draw is `reference.top_k_sample_reference` and `sampler._sample_top_k` token for token,
+ties included (tied logits rank lowest column first, at the k-th rank as at the nucleus cut; -0.0 ties
++0.0). The only arithmetic that is each device's own is the float64 exp (libdevice's here, torch's
+there): a one-ulp difference moves a weight by at most one 2**-52 unit, which decides a token only if the
+cut falls within that of a rank's mass. The noise's log is the hardware's, as in every noise kernel (the
+torch path's noise comes from `sampling_noise.gumbel_noise_at`, the same code). A row's token depends on
+its own logits and keys only: not on `k_cap`, the chunking or the other rows. Rows whose temperature is
+0 are skipped (their token left as it was): a sampler graph's padding rows.
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
 from spmd_engine.kernels.pdl import pdl_launch, pdl_prologue, triton_interpreting
-from spmd_engine.kernels.reference import COLUMN_MUL, HASH_MUL1, HASH_MUL2, LANE_A, LANE_B
+from spmd_engine.kernels.reference import COLUMN_MUL, HASH_MUL1, HASH_MUL2, LANE_A, LANE_B, NUCLEUS_MASS_ONE
 from spmd_engine.kernels.sampling_noise import _column_hash, _float_key, _gumbel_from_hash, _row_keys
 
 GROUP = 16  # columns per group of the candidate bound
@@ -74,6 +77,18 @@ def _exp64(x):
         return libdevice.exp(x)
     else:
         return tl.exp(x)
+
+
+@triton.jit
+def _add_rn(x, y):
+    """float32 x + y rounded once, subnormals kept, as torch's add: a plain add may be fused with the
+    multiply that ends the noise's log (`fast_logf`) into an FMA (which rounds once less), and
+    libdevice's add_rn flushes subnormals to zero. An explicit `add.rn.f32` is neither."""
+    if _LIBDEVICE:
+        return tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=f,f,f", [x, y], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return x + y
 
 
 @triton.jit
@@ -132,7 +147,8 @@ def _candidates_kernel(logits, temps, top_ks, cand_n, cand_x, cand_col, vocab, s
 @triton.jit
 def _draw_kernel(temps, top_ks, top_ps, seeds, counters, cand_n, cand_x, cand_col, tokens, num_chunks,
                  K_CAP: tl.constexpr, SLOTS: tl.constexpr, CBLOCK: tl.constexpr, MUL1: tl.constexpr,
-                 MUL2: tl.constexpr, A0: tl.constexpr, B0: tl.constexpr, CMUL: tl.constexpr, USE_PDL: tl.constexpr):
+                 MUL2: tl.constexpr, A0: tl.constexpr, B0: tl.constexpr, CMUL: tl.constexpr, MASS_ONE: tl.constexpr,
+                 USE_PDL: tl.constexpr):
     """One row: its k best candidates in rank order, the nucleus inside them, the race over the kept."""
     pdl_prologue(USE_PDL)  # kernels/pdl.py: before any memory access
     row = tl.program_id(0).to(tl.int64)
@@ -148,8 +164,8 @@ def _draw_kernel(temps, top_ks, top_ps, seeds, counters, cand_n, cand_x, cand_co
         ranks = tl.arange(0, K_CAP)
         z_ranked = tl.full((K_CAP,), float("-inf"), tl.float32)
         col_ranked = tl.full((K_CAP,), _NO_COLUMN, tl.int32)
-        before = tl.zeros((K_CAP,), tl.float64)  # mass of the better ranks (cumsum - weight, as the torch path)
-        mass = tl.zeros((), tl.float64)
+        before = tl.zeros((K_CAP,), tl.int64)  # mass of the better ranks (fixed point, as the torch path)
+        mass = tl.zeros((), tl.int64)
         z_top = tl.zeros((), tl.float64)
         for i in range(0, k):
             best = tl.max(tl.max(x, axis=1), axis=0)
@@ -158,19 +174,19 @@ def _draw_kernel(temps, top_ks, top_ps, seeds, counters, cand_n, cand_x, cand_co
             real = best > float("-inf")
             z = tl.div_rn(best, temp)
             z_top = tl.where(i == 0, z.to(tl.float64), z_top)
-            weight = tl.where(real, _exp64(z.to(tl.float64) - z_top), 0.0)
-            summed = mass + weight
+            shifted = tl.where(real, z.to(tl.float64) - z_top, float("-inf"))
+            weight = (_exp64(shifted) * MASS_ONE).to(tl.int64)  # truncated, as torch's .long()
             here = ranks == i
-            before = tl.where(here, summed - weight, before)
+            before = tl.where(here, mass, before)
             z_ranked = tl.where(here, z, z_ranked)
             col_ranked = tl.where(here, tl.where(real, pick, _NO_COLUMN), col_ranked)
-            mass = summed
+            mass += weight
         top_p = tl.load(top_ps + row)
-        cut = tl.where(top_p < 1.0, top_p * mass, float("inf"))
-        kept = (col_ranked != _NO_COLUMN) & (before < cut)
+        cut = tl.where(top_p < 1.0, top_p * mass.to(tl.float64), float("inf"))
+        kept = (col_ranked != _NO_COLUMN) & (before.to(tl.float64) < cut)
         a, b = _row_keys(tl.load(seeds + row).to(tl.int64), tl.load(counters + row).to(tl.int64),
                          tl.full((), 0, tl.uint32), MUL1, MUL2, A0, B0)
-        score = z_ranked + _gumbel_from_hash(_column_hash(a, b, col_ranked, MUL1, MUL2, CMUL))
+        score = _add_rn(z_ranked, _gumbel_from_hash(_column_hash(a, b, col_ranked, MUL1, MUL2, CMUL)))
         score = tl.where(kept, score, float("-inf"))
         top = tl.max(score, axis=0)
         token = tl.min(tl.where(kept & (score == top), col_ranked, _NO_COLUMN), axis=0)
@@ -235,5 +251,6 @@ def top_k_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch
     _draw_kernel[(rows,)](
         temps, top_ks, top_ps, seeds, counters, cand_n, cand_x, cand_col, tokens, num_chunks,
         K_CAP=k_cap, SLOTS=slots, CBLOCK=triton.next_power_of_2(num_chunks), MUL1=HASH_MUL1, MUL2=HASH_MUL2,
-        A0=LANE_A, B0=LANE_B, CMUL=COLUMN_MUL, num_warps=4 if k_cap <= 32 else 16, **pdl)
+        A0=LANE_A, B0=LANE_B, CMUL=COLUMN_MUL, MASS_ONE=NUCLEUS_MASS_ONE,
+        num_warps=4 if k_cap <= 32 else 16, **pdl)
     return tokens

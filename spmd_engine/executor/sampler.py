@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from spmd_engine.executor.device_copy import to_device_async
-from spmd_engine.kernels.reference import gumbel_noise_at_reference, gumbel_noise_reference
+from spmd_engine.kernels.reference import NUCLEUS_MASS_ONE, gumbel_noise_at_reference, gumbel_noise_reference
 
 # below this, logits / temperature overflow float32: such rows are greedy (their limit anyway)
 MIN_TEMPERATURE = 1e-5
@@ -321,8 +321,8 @@ class Sampler:
 def _sample_top_k_cuda(logits: torch.Tensor, batch: SamplingBatch, keys: _GroupKeys) -> torch.Tensor:
     """The top-k group on CUDA: rows of k up to TOP_K_KERNEL_MAX by the Triton kernel
     (kernels/top_k_sample.py: one read of the logits, no host-to-device copy beyond the keys), larger k by
-    `_sample_top_k`. Which one a row takes depends on its own k alone (the determinism rule: the two
-    differ where tied logits straddle the k-th rank)."""
+    `_sample_top_k`. Which one a row takes depends on its own k alone (the determinism rule; the two
+    draw the same token, ties included)."""
     from spmd_engine.kernels.top_k_sample import TOP_K_KERNEL_MAX, k_cap_for, top_k_sample
     wide = batch.top_k > TOP_K_KERNEL_MAX
     if not wide.any():
@@ -416,32 +416,49 @@ def path_of(row: SamplingRow) -> str:
 def _sample_top_k(logits: torch.Tensor, temps: torch.Tensor, top_ks: list[int], top_ps: list[float],
                   seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
     """The top-k path without a sort of the vocabulary: `topk` of the group's largest k (at most
-    TOP_K_FAST_MAX), each row masking the ranks past its own k, top-p within the renormalised top-k,
-    and the race over the candidates with the round-0 noise of their original columns.
+    TOP_K_FAST_MAX) ranked by (logit, lowest column), each row masking the ranks past its own k, top-p
+    within the renormalised top-k, and the race over the candidates with the round-0 noise of their
+    original columns.
 
-    The same token as `_race(_apply_top_k_top_p(z, ...), seeds, counters, 0)` with z = logits / T
-    (the sort path): dividing by T > 0 keeps the order, so the topk of the logits divided by T are
-    the topk of z, and the candidates carry the same float32 scores z + noise; ties go to the lowest
-    column as argmax's do, and the nucleus uses the same rule (mass of strictly better candidates <
-    top_p); only a tie at a row's k-th rank may keep another of the tied tokens (either is a valid
-    top-k set; a tie made by the division only is the same case). The nucleus masses are summed in
-    float64 from the row's maximum, so the width of the group's topk (its largest k) cannot move a
-    row's cut beyond float64 rounding."""
+    The token of `kernels.top_k_sample` (and its `reference.top_k_sample_reference`) bit for bit, on CPU
+    and CUDA: tied logits rank lowest column first, at the k-th rank as inside the top-k (torch.topk orders
+    them as it likes, which moved the nucleus cut or the k-th rank between tied tokens); z = logits / T by
+    a true division; the nucleus masses are fixed-point integer sums of exp(z - z_max) (`NUCLEUS_MASS_ONE`:
+    exact whatever order a scan adds them in; only the float64 exp is the device's), a rank kept when the
+    mass of the better ranks is < top_p * the top-k's mass; the scores one float32 add z + noise.
+    The same token as `_race(_apply_top_k_top_p(z, ...), seeds, counters, 0)` (the sort path) but where
+    ties or the float32 softmax of the sort path move a row's cut."""
     vocab = logits.shape[-1]
     width = min(max(top_ks), vocab)
-    values, cols = logits.topk(width, dim=-1)  # sorted, descending
-    values = values / temps[:, None]  # the same true division as z's
     k = _host_to([min(kk, width) for kk in top_ks], torch.int64, logits.device)
+    values, cols = _ranked_top_k(logits, k, width)
+    values = values / temps[:, None]  # the same true division as z's
     keep = torch.arange(width, device=logits.device)[None, :] < k[:, None]
-    weights = (values.double() - values[:, :1].double()).exp().masked_fill(~keep, 0.0)
+    shifted = (values.double() - values[:, :1].double()).masked_fill(~keep | (values == float("-inf")), float("-inf"))
+    weights = (shifted.exp() * NUCLEUS_MASS_ONE).long()  # truncated, as the kernel's
     cumulative = weights.cumsum(dim=-1)
-    total = cumulative.gather(1, k[:, None] - 1)
+    total = cumulative.gather(1, k[:, None] - 1).double()
     # top_p 1 masks nothing (a sum rounding past 1 must not cut the tail)
-    p = _host_to([pp if pp < 1.0 else float("inf") for pp in top_ps], torch.float64, logits.device)
-    keep &= (cumulative - weights) < p[:, None] * total
+    p = _host_to(top_ps, torch.float64, logits.device)[:, None]
+    cut = torch.where(p < 1.0, p * total, float("inf"))
+    keep &= (cumulative - weights).double() < cut
     scores = (values + gumbel_noise_at(seeds, counters, 0, cols)).masked_fill(~keep, float("-inf"))
     best = scores.max(dim=-1, keepdim=True).values
     return torch.where(scores == best, cols, vocab).min(dim=-1).values
+
+
+def _ranked_top_k(logits: torch.Tensor, k: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's `width` largest logits and their columns, ranked by (logit descending, column
+    ascending), whose first k[row] are the row's k largest with ties at the k-th rank to the lowest
+    columns (the top-k kernel's rule): a second `topk`, of a key that puts the logits above the row's
+    k-th value first and its ties next by column, then a stable sort of the few kept."""
+    kth = logits.topk(width, dim=-1).values.gather(1, k[:, None] - 1)
+    columns = torch.arange(logits.shape[-1], device=logits.device, dtype=torch.float32)  # < 2**24: exact
+    key = torch.where(logits > kth, float("inf"), torch.where(logits == kth, -columns, float("-inf")))
+    cols = key.topk(width, dim=-1).indices.sort(dim=-1).values
+    values = logits.gather(1, cols)
+    values, order = values.masked_fill(values == 0, 0.0).sort(dim=-1, descending=True, stable=True)  # -0.0: +0.0
+    return values, cols.gather(1, order)
 
 
 def _race(z: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor, round_: int) -> torch.Tensor:

@@ -67,12 +67,28 @@ def test_k_up_to_the_larger_capacity_and_k_the_whole_vocabulary():
 @pytest.mark.parametrize("seed", range(4))
 def test_tied_logits_go_to_the_lowest_column(seed):
     """Logits on a coarse grid (as bf16 logits are): ties inside the top-k, at the k-th rank and at the
-    nucleus cut. The kernel takes tied logits lowest column first, as the reference's stable sort."""
+    nucleus cut. The kernel takes tied logits lowest column first, as the reference's stable sort and the
+    sampler's torch path (whose torch.topk alone orders ties as it likes)."""
     rows, vocab = 10, CHUNK + 300
     gen = torch.Generator().manual_seed(seed)
     logits = (torch.randn(rows, vocab, generator=gen) * 4).round() / 2
+    logits[0, 5::9] = -0.0  # zeros of both signs tie
     args = (logits.to(DEVICE), *keys(rows, seed, [1, 3, 20, 32, 8], [1.0, 0.7, 0.95, 0.5, 0.3]))
-    assert draw(*args) == reference(*args)
+    got = draw(*args)
+    assert got == reference(*args)
+    assert got == torch_path(*args)
+
+
+def test_bf16_ties_at_the_nucleus_cut_draw_the_torch_paths_token():
+    """bf16 logits of a flat top (Qwen3's T 0.6, top_k 20, top_p 0.95 at a dummy model's logit scale): most
+    rows hold tied logits inside their top-k, many at the k-th rank or the cut; every row the torch path's
+    token."""
+    rows, vocab = 24, 3000
+    gen = torch.Generator().manual_seed(42)
+    logits = (0.64 * torch.randn(rows, vocab, generator=gen)).to(torch.bfloat16).to(DEVICE)
+    temps, top_ks, top_ps, seeds, counters = keys(rows, 42, [20], [0.95])
+    args = (logits, temps.fill_(0.6), top_ks, top_ps, seeds, counters)
+    assert draw(*args) == torch_path(*args)
 
 
 def test_bf16_logits_draw_their_float32_values():
@@ -80,7 +96,7 @@ def test_bf16_logits_draw_their_float32_values():
     gen = torch.Generator().manual_seed(7)
     logits = (3 * torch.randn(rows, vocab, generator=gen)).to(torch.bfloat16)
     args = (logits.to(DEVICE), *keys(rows, 7, [20, 5, 32], [0.95, 1.0, 0.6]))
-    assert draw(*args) == reference(logits.float(), *args[1:])
+    assert draw(*args) == reference(args[0].float(), *args[1:])  # the logits on the keys' device
 
 
 def test_chunks_with_too_many_candidates_and_rows_of_few_finite_logits():
