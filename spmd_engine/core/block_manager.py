@@ -100,24 +100,31 @@ class BlockManager:
             self._chain[seq.seq_id] = (num_hit_blocks, parent)
         return self._admitted_with(seq, num_hit_blocks * self.block_size)
 
-    def fork_prefix(self, seq: Sequence, source: Sequence, num_blocks: int) -> int:
-        """Admit `seq` on the first `num_blocks` blocks of `source` (a sibling completion of the same
-        prompt whose KV for them a step already queued): shared by reference count, so the prompt is
-        computed once and either of them may be preempted or finish without freeing the other's KV.
+    def fork_prefix(self, seq: Sequence, source: Sequence, num_tokens: int) -> tuple[int, int] | None:
+        """Admit `seq` on the KV of `source`'s first `num_tokens` tokens (a sibling completion of the same
+        prompt whose KV for them a step already queued), so the prompt is computed once.
 
-        Works with or without prefix caching (the blocks need not be registered yet). Sets
-        num_computed_tokens and num_cached_tokens and returns the number of shared tokens."""
+        Full blocks are shared by reference count: either sequence may be preempted or finish without
+        freeing the other's KV. A partial last block cannot be shared (both would write past it), so it
+        is copied into a fresh block: returns that copy (source block, new block) for the step plan, or
+        None. Without a free block for the copy, `seq` shares only the full blocks. Works with or without
+        prefix caching (the blocks need not be registered yet); sets num_computed_tokens and
+        num_cached_tokens."""
         if seq.block_table:
             raise RuntimeError(f"seq {seq.seq_id} already holds blocks; fork_prefix is for admission")
-        shared = source.block_table[:num_blocks]
-        if len(shared) != num_blocks or num_blocks * self.block_size >= seq.num_tokens:
-            raise RuntimeError(f"seq {seq.seq_id}: cannot share {num_blocks} blocks of seq {source.seq_id}")
-        for block_id in shared:
+        num_full, partial = divmod(num_tokens, self.block_size)
+        if num_tokens >= seq.num_tokens or len(source.block_table) < num_full + (partial > 0):
+            raise RuntimeError(f"seq {seq.seq_id}: cannot share {num_tokens} tokens of seq {source.seq_id}")
+        for block_id in source.block_table[:num_full]:
             self.blocks[block_id].ref_count += 1  # held by `source`: never in the free queue
-        seq.block_table = list(shared)
+        seq.block_table = source.block_table[:num_full]
+        copy = None
+        if partial and self.ensure_slots(seq, num_full * self.block_size + 1):
+            copy = (source.block_table[num_full], seq.block_table[num_full])
         if self.enable_prefix_caching:
             self._chain[seq.seq_id] = (0, None)  # its first completed block re-derives the chain (hits, no copy)
-        return self._admitted_with(seq, num_blocks * self.block_size)
+        self._admitted_with(seq, num_tokens if copy else num_full * self.block_size)
+        return copy
 
     def _admitted_with(self, seq: Sequence, num_tokens: int) -> int:
         """An admission's accounting: `seq` starts with `num_tokens` tokens of KV it did not compute."""

@@ -62,6 +62,9 @@ class StepPlan:
     new_block_counts: np.ndarray = field(default_factory=lambda: _empty(np.int32))  # [B] blocks appended
     new_block_ids: np.ndarray = field(default_factory=lambda: _empty(np.int32))  # [sum(new_block_counts)]
     dropped_seq_ids: np.ndarray = field(default_factory=lambda: _empty(np.int64))  # tables to forget
+    # KV blocks to copy before the forward, (source, destination) rows: a later completion of an n-sample
+    # request takes its first completion's partial last prompt block (full blocks are shared)
+    block_copies: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), dtype=np.int32))  # [C, 2]
     # inputs sampled by the previous step, not yet known on the host: input_ids[deferred_positions[i]]
     # is that step's sampled token number deferred_rows[i] (of num_prev_sampled); input_ids holds 0 there
     deferred_positions: np.ndarray = field(default_factory=lambda: _empty(np.int32))  # [D]
@@ -198,6 +201,7 @@ class PlanBuilder:
             new_block_counts=np.asarray(counts, dtype=np.int32),
             new_block_ids=np.asarray(new_ids, dtype=np.int32),
             dropped_seq_ids=np.asarray(dropped, dtype=np.int64),
+            block_copies=np.asarray(output.block_copies, dtype=np.int32).reshape(-1, 2),
             deferred_positions=np.asarray(inputs.deferred_positions, dtype=np.int32),
             deferred_rows=np.asarray(inputs.deferred_rows, dtype=np.int32),
             num_prev_sampled=prev_sampled if inputs.deferred_positions else 0,

@@ -72,6 +72,7 @@ class ScheduleOutput:
     sample: list[bool] = field(default_factory=list)  # the chunk reaches the last token: sample
     preempted: list[Sequence] = field(default_factory=list)  # lost their blocks this step
     finished_seq_ids: list[int] = field(default_factory=list)  # finished/aborted since last schedule
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, new) before the forward
 
     @property
     def num_seqs(self) -> int:
@@ -102,10 +103,10 @@ def _uses_prefix_cache(seq: Sequence) -> bool:
     return seq.params.prompt_logprobs is None
 
 
-def _shareable_prompt_blocks(seq: Sequence, block_size: int) -> int:
-    """The full blocks of prompt tokens a later completion may share, short of the block with its last token
-    (one token must be computed for its logits)."""
-    return min(seq.num_prompt_tokens, seq.num_tokens - 1) // block_size
+def _shareable_prompt_tokens(seq: Sequence) -> int:
+    """The prompt tokens whose KV a later completion may take from its first completion, short of its last
+    token (one token must be computed for its logits)."""
+    return min(seq.num_prompt_tokens, seq.num_tokens - 1)
 
 
 class Scheduler:
@@ -147,7 +148,7 @@ class Scheduler:
         would find it (a later completion of an n-sample request: past the prompt blocks it will share)."""
         bm = self.block_manager
         if seq.fork_from is not None and not seq.fork_from.is_finished:
-            return seq.num_tokens - _shareable_prompt_blocks(seq, bm.block_size) * bm.block_size
+            return seq.num_tokens - _shareable_prompt_tokens(seq)
         return bm.num_tokens_to_compute(seq, use_cache=_uses_prefix_cache(seq))
 
     @property
@@ -259,17 +260,19 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_pending_tokens:  # preempted while its token was pending: wait for it
                 break
-            shared = self._shared_prompt_blocks(seq, out)
+            shared, copy = self._shared_prompt_tokens(seq, out), None
             if shared is None:  # its first completion is still prefilling the prompt: wait for it (FCFS)
                 break
             if shared:
-                bm.fork_prefix(seq, seq.fork_from, shared)
+                copy = bm.fork_prefix(seq, seq.fork_from, shared)
             else:
                 bm.allocate_prefix(seq, use_cache=_uses_prefix_cache(seq))
             num_new = min(seq.num_tokens - seq.num_computed_tokens, token_budget, prompt_budget)
             if not bm.ensure_slots(seq, seq.num_computed_tokens + num_new):
                 bm.undo_prefix(seq)
                 break
+            if copy is not None:
+                out.block_copies.append(copy)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -281,27 +284,28 @@ class Scheduler:
             num_admitted += 1
         return num_admitted
 
-    def _shared_prompt_blocks(self, seq: Sequence, out: ScheduleOutput) -> int | None:
-        """How many prompt blocks `seq` (a completion i > 0 of an n-sample request) shares with its first
-        completion at admission; 0: none, admit as usual; None: wait, that completion is computing them.
+    def _shared_prompt_tokens(self, seq: Sequence, out: ScheduleOutput) -> int | None:
+        """How many prompt tokens' KV `seq` (a completion i > 0 of an n-sample request) takes from its first
+        completion at admission (full blocks shared, the partial last one copied); 0: none, admit as usual;
+        None: wait, that completion is computing them.
 
-        Shared: the full blocks holding only prompt tokens, short of the block with `seq`'s last token
-        (one token must be computed for its logits), once steps before this one computed them (a step
-        runs after every step queued before it, on every rank, so their KV is written when it reads it).
-        Only while the first completion runs: a preempted or finished one shares nothing (the prefix
-        cache may still hit), so a completion never waits on one that waits."""
+        Taken: the prompt short of `seq`'s last token (one token must be computed for its logits), once
+        steps before this one computed it (a step runs after every step queued before it, on every rank,
+        so their KV is written when it reads it, or copies it). Only while the first completion runs: a
+        preempted or finished one shares nothing (the prefix cache may still hit), so a completion never
+        waits on one that waits."""
         source = seq.fork_from
         if source is None or source.status is not SequenceStatus.RUNNING:
             return 0
-        num_blocks = _shareable_prompt_blocks(seq, self.block_manager.block_size)
-        if num_blocks == 0:
+        num_tokens = _shareable_prompt_tokens(seq)
+        if num_tokens <= 0:
             return 0
         computed = source.num_computed_tokens
         for scheduled, before in zip(out.seqs, out.num_computed_before):
             if scheduled is source:  # what it had computed before this step
                 computed = before
                 break
-        return num_blocks if computed >= num_blocks * self.block_manager.block_size else None
+        return num_tokens if computed >= num_tokens else None
 
     def _log_schedule(self, out: ScheduleOutput, num_admitted: int) -> None:
         num_decode = sum(1 for n, c in zip(out.num_new_tokens, out.num_computed_before) if n == 1 and c > 0)

@@ -171,6 +171,15 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int,
     return [(cache[i, 0], cache[i, 1]) for i in range(spec.num_layers)]
 
 
+def copy_kv_blocks(caches: list[tuple[torch.Tensor, torch.Tensor]], copies: torch.Tensor) -> None:
+    """Copy whole KV blocks, every layer, K and V: `copies` [C, 2] int64 (source, destination) rows on the
+    cache's device. Byte views, so any stored dtype (fp8 included) copies bit for bit."""
+    src, dst = copies[:, 0], copies[:, 1]
+    for k, v in caches:
+        for cache in (k.view(torch.uint8), v.view(torch.uint8)):
+            cache.index_copy_(0, dst, cache.index_select(0, src))
+
+
 @dataclass(frozen=True)
 class KVCapacity:
     """The pool a job got, as metrics.json reports it (blocks, tokens, bytes)."""

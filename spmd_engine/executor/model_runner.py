@@ -22,7 +22,8 @@ from spmd_engine.executor.input_buffers import InputBuffers
 from spmd_engine.executor.sampler_graphs import SamplerGraphs, sampler_graph_bytes
 from spmd_engine.executor.piecewise_graphs import CudaGraphCapture, PiecewiseGraphs, piecewise_token_buckets
 from spmd_engine.executor.kv_cache import (FP8_CALIBRATION_TOKENS, CudaMemoryBudget, KVCacheSpec, allocate_kv_cache,
-                                  bind_kv_scales, blocks_for_bytes, calibrate_fp8_kv_scales, planned_num_blocks)
+                                           bind_kv_scales, blocks_for_bytes, calibrate_fp8_kv_scales, copy_kv_blocks,
+                                           planned_num_blocks)
 from spmd_engine.core.plan import StepPlan
 from spmd_engine.executor.block_table import BlockTableMirror
 from spmd_engine.executor.logprobs import host_to_device, prompt_logit_rows
@@ -273,6 +274,8 @@ class ModelRunner:
         batch, plan = staged.batch, staged.plan
         if self.inputs is not None:  # the staged copy ran beside the step in flight's sampling
             self.inputs.wait_copied()
+        if plan.block_copies.shape[0]:  # after every step queued before this one wrote its source blocks
+            copy_kv_blocks(self.kv_caches, torch.from_numpy(plan.block_copies).to(self.device, torch.int64))
         if plan.num_prev_sampled:
             prev = self._share_tokens(prev_tokens, plan.num_prev_sampled)
             if staged.graph_rows is None:

@@ -211,3 +211,24 @@ def test_tokens_to_compute_is_what_admission_would_leave_and_changes_nothing(cac
         bm.free(seq)
     assert bm.num_tokens_to_compute(Sequence(2, list(range(9)))) == (1 if caching else 9)
     assert bm.num_tokens_to_compute(Sequence(2, list(range(9))), use_cache=False) == 9  # prompt logprobs
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_fork_prefix_shares_full_blocks_and_copies_the_partial_one(caching):
+    bm = BlockManager(6, BS, enable_prefix_caching=caching)
+    first = computed(bm, admit(bm, 0, list(range(10))))  # 2 full blocks + 2 tokens in a third
+    child = Sequence(1, list(range(10)))
+    assert bm.fork_prefix(child, first, 9) == (first.block_table[2], child.block_table[2])
+    assert child.block_table[:2] == first.block_table[:2] and child.block_table[2] != first.block_table[2]
+    assert child.num_computed_tokens == 9 == child.num_cached_tokens
+    assert [bm.blocks[i].ref_count for i in child.block_table] == [2, 2, 1]
+    bm.free(first)  # the child keeps every block it holds
+    assert [bm.blocks[i].ref_count for i in child.block_table] == [1, 1, 1] and bm.num_free_blocks == 3
+    bm.free(child)
+    # no free block for the copy: the full blocks only, the partial one is computed again
+    first = computed(bm, admit(bm, 0, list(range(10))))
+    filler = Sequence(2, list(range(100, 112)))
+    assert bm.ensure_slots(filler, 12) and bm.num_free_blocks == 0
+    child = Sequence(1, list(range(10)))
+    assert bm.fork_prefix(child, first, 9) is None
+    assert child.block_table == first.block_table[:2] and child.num_computed_tokens == 8
