@@ -46,6 +46,7 @@ CHUNK = GROUP * GROUPS  # columns per program of the candidate pass (as the plai
 K_CAPS = (32, 128)  # the compiled row capacities (k_cap): two variants, whatever k a job asks for
 TOP_K_KERNEL_MAX = K_CAPS[-1]  # rows with a larger k take the torch path
 _NO_COLUMN = tl.constexpr(2**31 - 1)  # no candidate (past every column)
+_TAKEN = tl.constexpr(-(2**63))  # a packed candidate already ranked (below every real one)
 _LIBDEVICE = tl.constexpr(not triton_interpreting())  # the interpreter has no libdevice
 
 
@@ -89,6 +90,12 @@ def _add_rn(x, y):
                                          is_pure=True, pack=1)
     else:
         return x + y
+
+
+@triton.jit
+def _key_float(key):
+    """`_float_key`'s inverse (-0.0 comes back as +0.0)."""
+    return tl.where(key >= 0, key, key ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -167,10 +174,13 @@ def _draw_kernel(temps, top_ks, top_ps, seeds, counters, cand_n, cand_x, cand_co
         before = tl.zeros((K_CAP,), tl.int64)  # mass of the better ranks (fixed point, as the torch path)
         mass = tl.zeros((), tl.int64)
         z_top = tl.zeros((), tl.float64)
+        # (logit key, lowest column) packed in one int64: each rank is one max reduction
+        packed = (_float_key(x).to(tl.int64) << 32) | (2**31 - 1 - col.to(tl.int64))  # 2**31 - 1: _NO_COLUMN
         for i in range(0, k):
-            best = tl.max(tl.max(x, axis=1), axis=0)
-            pick = tl.min(tl.min(tl.where(x == best, col, _NO_COLUMN), axis=1), axis=0)
-            x = tl.where(col == pick, float("-inf"), x)
+            top = tl.max(tl.max(packed, axis=1), axis=0)
+            packed = tl.where(packed == top, _TAKEN, packed)
+            pick = (2**31 - 1 - (top & 0xFFFFFFFF)).to(tl.int32)
+            best = _key_float((top >> 32).to(tl.int32))
             real = best > float("-inf")
             z = tl.div_rn(best, temp)
             z_top = tl.where(i == 0, z.to(tl.float64), z_top)
