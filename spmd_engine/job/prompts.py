@@ -43,6 +43,7 @@ OVERRIDE_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "presence_penalty": ((int, float), "a number"),
     "frequency_penalty": ((int, float), "a number"),
     "n": ((int,), "an integer"),
+    "structured_outputs": ((dict, type(None)), "an object or null"),
 }
 REQUEST_KEYS = ("chat_template_kwargs",)  # per-request keys that are neither the prompt nor sampling
 NO_TOKENIZER_ERROR = "prompt text given but the checkpoint has no tokenizer; pass prompt_token_ids"
