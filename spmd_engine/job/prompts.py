@@ -82,7 +82,7 @@ def _problem(obj: Any) -> str | None:
     unknown = [k for k in obj if k not in PROMPT_KEYS and k not in OVERRIDE_TYPES and k not in REQUEST_KEYS]
     if unknown:
         allowed = ', '.join((*PROMPT_KEYS, *OVERRIDE_TYPES, *REQUEST_KEYS))
-        return f"unknown key {_short(repr(unknown[0]))} (allowed: {allowed})"
+        return f"unknown key {_short(repr(unknown[0]), 40)} (allowed: {allowed})"
     if sum(k in obj for k in PROMPT_KEYS) != 1:
         return "give exactly one of 'prompt', 'prompt_token_ids' or 'messages'"
     if "messages" in obj:
