@@ -253,16 +253,17 @@ ACCEPTANCE_TASKS = [
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 @NEEDS_SLOW
 def test_smollm2_json_schemas_at_temperature_0_7(smollm2_dir):
-    """The acceptance run (docs/STRUCTURED_OUTPUTS.md): SmolLM2 at temperature 0.7, 10 schemas x 4 seeds,
+    """The acceptance run (docs/STRUCTURED_OUTPUTS.md): SmolLM2 at temperature 0.7, 10 schemas x 2 seeds,
     max_tokens 256: every "stop" output validates, >= 95 % stop; choice and regex outputs match and an
     arithmetic grammar parses. A few minutes on 2 cores: `SPMD_SLOW_TESTS=1 python -m pytest -q -s
     tests/spmd_engine/test_structured_outputs.py -k smollm2_json`."""
     import time
 
     llm = LLM(model="smollm2", max_model_len=1024)
-    seeds = range(4)
+    seeds = range(2)
     try:
         chats, params = [], []
         for schema, task in zip(ACCEPTANCE_SCHEMAS, ACCEPTANCE_TASKS):
