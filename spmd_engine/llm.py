@@ -27,7 +27,7 @@ from spmd_engine.faults.progress import StepProgress
 from spmd_engine.generation_defaults import checkpoint_sampling
 from spmd_engine.replica_generate import generate_on_replicas
 from spmd_engine.tokenizer import load_tokenizer
-from spmd_engine.structured.grammars import GrammarCompilerPool
+from spmd_engine.structured.grammars import GrammarCompilerPool, warm_up_mask_kernel
 from spmd_engine.structured.params import StructuredOutputsParams  # noqa: F401 (spmd_engine's export)
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -145,6 +145,8 @@ class LLM:
         # structured outputs: grammars over the tokenizer's vocabulary (read at the first structured request)
         self._grammars = (GrammarCompilerPool(self.tokenizer, engine.shape.vocab_size, engine.shape.eos_token_ids)
                           if self.tokenizer is not None else None)
+        if self._grammars is not None:
+            warm_up_mask_kernel(engine.shape.vocab_size, engine.device)  # nothing compiles mid-job
 
     @property
     def engine(self) -> Engine:

@@ -191,3 +191,15 @@ class GrammarMasks:
         dev_mask.record_stream(torch.cuda.current_stream(self.device))
         dev_index.record_stream(torch.cuda.current_stream(self.device))
         apply_token_bitmask(logits, dev_mask, dev_index)
+
+
+def warm_up_mask_kernel(vocab_size: int, device: torch.device) -> None:
+    """Compile the bitmask kernel for this vocabulary at start-up (CUDA), not at a job's first structured step:
+    the shapes and alignments a step passes (float32 logits rows of `vocab_size`, a fresh mask and row index)."""
+    if device.type != "cuda":
+        return
+    from spmd_engine.kernels.token_bitmask import apply_token_bitmask
+
+    logits = torch.zeros(1, vocab_size, dtype=torch.float32, device=device)
+    mask = torch.full((1, (vocab_size + 31) // 32), -1, dtype=torch.int32, device=device)
+    apply_token_bitmask(logits, mask, torch.zeros(1, dtype=torch.int64, device=device))
