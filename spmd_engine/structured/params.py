@@ -57,6 +57,10 @@ class StructuredOutputsParams:
                     raise ValueError(f"{FIELD}.json is not valid JSON ({str(exc)[:80]})") from None
             else:
                 parsed = value
+                try:  # the cache key is its JSON text
+                    _json.dumps(value, sort_keys=True)
+                except (TypeError, ValueError) as exc:
+                    raise ValueError(f"{FIELD}.json is not JSON ({str(exc)[:80]})") from None
             if not isinstance(parsed, (dict, bool)):
                 raise ValueError(f"{FIELD}.json must be a JSON schema object, got {type(parsed).__name__}")
         elif kind == "json_object" and value is not True:

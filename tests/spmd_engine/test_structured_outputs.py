@@ -92,7 +92,8 @@ def test_params_take_exactly_one_kind_and_name_the_field():
     for bad, words in [({}, "exactly one"), ({"regex": "a", "choice": ["a"]}, "exactly one"),
                        ({"jsn": {}}, "jsn is not a structured output kind"), ({"choice": []}, "choice must be"),
                        ({"json": "{not json"}, "json is not valid JSON"), ({"json_object": 1}, "json_object must"),
-                       ({"json": [1]}, "json must be a JSON schema object"), ("x", "must be an object")]:
+                       ({"json": [1]}, "json must be a JSON schema object"), ("x", "must be an object"),
+                       ({"json": {1: {"x"}}}, "json is not JSON")]:
         with pytest.raises(ValueError, match=f"sampling.structured_outputs.*{words}"):
             SamplingParams.from_dict({"structured_outputs": bad})
     # a schema's key does not depend on its key order; a schema given as text is taken as is
