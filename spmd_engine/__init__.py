@@ -37,7 +37,7 @@ if not any(isinstance(f, _CheckoutFolders) for f in sys.meta_path):
     sys.meta_path.insert(0, _CheckoutFolders())
 
 
-_PUBLIC = ("LLM", "SamplingParams", "GenerationOutput", "CompletionOutput", "PromptRequest")
+_PUBLIC = ("LLM", "SamplingParams", "GenerationOutput", "CompletionOutput", "PromptRequest", "StructuredOutputsParams")
 __all__ = list(_PUBLIC)
 
 

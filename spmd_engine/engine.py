@@ -265,7 +265,8 @@ class Engine:
     def generate(self, requests: Iterable[PromptRequest] | PolledRequests,
                  on_finish: Callable[[RequestOutput], None] | None = None,
                  decode: Callable[[list[int]], str] | None = None, progress: bool = False,
-                 token_text: Callable[[int], str] | None = None, keep_outputs: bool = True) -> list[RequestOutput]:
+                 token_text: Callable[[int], str] | None = None, keep_outputs: bool = True,
+                 grammars: Any = None) -> list[RequestOutput]:
         """Collective over the replica: its leader returns one RequestOutput per request (submission
         order); the other ranks [].
 
@@ -273,7 +274,8 @@ class Engine:
         a `PolledRequests` may answer "not yet" while the batch runs, e.g. work not yet handed out to
         this replica). `keep_outputs=False` returns [] on the leader too:
         the outputs go to `on_finish` only, so a job of any size holds only the requests in flight.
-        `token_text(id)`: one token's text, for the alternatives of logprobs (None: decode([id]))."""
+        `token_text(id)`: one token's text, for the alternatives of logprobs (None: decode([id])).
+        `grammars`: the tokenizer's GrammarCompilerPool (structured outputs; None: such requests are errors)."""
         if self.runner.is_asleep:  # every rank alike: sleep is collective
             raise ConfigError("the engine is asleep (LLM.sleep): call wake_up() before generating")
         if not self.replica.is_leader:
@@ -285,8 +287,8 @@ class Engine:
                                            self.shape.eos_token_ids)
         parts = LoopParts(self.cfg, self.scheduler, self.runner, self.replica, self.step_progress, self.device,
                           self.shape.vocab_size, self.max_model_len)
-        loop = StepLoop(parts, GenerateCall.of(requests, on_finish, decode, token_text, progress, keep_outputs),
-                        self.step)
+        loop = StepLoop(parts, GenerateCall.of(requests, on_finish, decode, token_text, progress, keep_outputs,
+                                               grammars), self.step)
         try:
             outputs = loop.run()
         finally:

@@ -27,6 +27,8 @@ from spmd_engine.faults.progress import StepProgress
 from spmd_engine.generation_defaults import checkpoint_sampling
 from spmd_engine.replica_generate import generate_on_replicas
 from spmd_engine.tokenizer import load_tokenizer
+from spmd_engine.structured.grammars import GrammarCompilerPool, warm_up_mask_kernel
+from spmd_engine.structured.params import StructuredOutputsParams  # noqa: F401 (spmd_engine's export)
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 Prompt = Union[str, dict[str, Any]]  # "text", {"prompt": "text"} or {"prompt_token_ids": [...]}
@@ -140,6 +142,11 @@ class LLM:
         except BaseException:
             engine.close()
             raise
+        # structured outputs: grammars over the tokenizer's vocabulary (read at the first structured request)
+        self._grammars = (GrammarCompilerPool(self.tokenizer, engine.shape.vocab_size, engine.shape.eos_token_ids)
+                          if self.tokenizer is not None else None)
+        if self._grammars is not None:
+            warm_up_mask_kernel(engine.shape.vocab_size, engine.device)  # nothing compiles mid-job
 
     @property
     def engine(self) -> Engine:
@@ -189,12 +196,14 @@ class LLM:
         """
         decode = (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)) if self.tokenizer else None
         return self._engine.generate(requests, on_finish=on_finish, decode=decode, progress=progress,
-                                     keep_outputs=keep_outputs)
+                                     keep_outputs=keep_outputs, grammars=self._grammars)
 
     def close(self) -> None:
         """Free the model, the KV cache and the CUDA graphs, and the process group if this LLM made it
         (collective: a process that exits with a live gloo/NCCL group may abort at interpreter exit)."""
         self._engine.close()
+        if getattr(self, "_grammars", None) is not None:
+            self._grammars.close()
         if self._owns_group:
             destroy_process_group()
             self._owns_group = False

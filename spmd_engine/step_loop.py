@@ -12,6 +12,7 @@ step N samples straight from the device, so the GPU never waits for the host's p
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import time
@@ -34,6 +35,7 @@ from spmd_engine.executor.model_runner import ModelRunner, StagedStep
 from spmd_engine.executor.sampler import request_seed
 from spmd_engine.executor.step_sampler import LaunchedStep, SampledStep, StepSampler
 from spmd_engine.faults.progress import StepProgress
+from spmd_engine.structured.grammars import GrammarCompilerPool
 from spmd_engine.telemetry.gpu_timeline import GpuTimeline
 from spmd_engine.telemetry.step_timing import PhaseClock, StepTimer
 
@@ -65,16 +67,18 @@ class GenerateCall:
     token_text: Callable[[int], str] | None  # one token's text, for the logprobs' alternatives
     progress: bool = False
     keep_outputs: bool = True
+    # structured outputs: the tokenizer's grammar compiler (None: no tokenizer, such requests are errors)
+    grammars: GrammarCompilerPool | None = None
 
     @classmethod
     def of(cls, requests: Iterable[PromptRequest] | PolledRequests,
            on_finish: Callable[[RequestOutput], None] | None = None, decode: Callable[[list[int]], str] | None = None,
            token_text: Callable[[int], str] | None = None, progress: bool = False,
-           keep_outputs: bool = True) -> "GenerateCall":
+           keep_outputs: bool = True, grammars: GrammarCompilerPool | None = None) -> "GenerateCall":
         """Engine.generate's arguments, defaults filled in (`token_text` None: decode([id]))."""
         return cls(polled(requests), len(requests) if hasattr(requests, "__len__") else None,
                    on_finish or (lambda out: None), decode,
-                   token_text or ((lambda t: decode([t])) if decode else None), progress, keep_outputs)
+                   token_text or ((lambda t: decode([t])) if decode else None), progress, keep_outputs, grammars)
 
 
 class StepLoop:
@@ -100,6 +104,8 @@ class StepLoop:
         self.prompt_tokens = 0  # unique prompt tokens of the requests admitted (each n-sample family once)
         self.fed_all = False
         self.cached_tokens = 0
+        # structured requests whose grammar is compiling (off the loop): (request, output, params, future)
+        self.compiling: list[tuple[PromptRequest, RequestOutput, SamplingParams, Any]] = []
 
     # --- admission ---------------------------------------------------------------------------
     def _refill(self) -> None:
@@ -107,16 +113,18 @@ class StepLoop:
         source ends: a lazy source is read, tokenized or handed out only as this replica has room.
         A polled source waits only while nothing runs; with sequences running, "not yet" ends the
         refill and the loop keeps stepping them (it asks again next step)."""
+        if self.compiling:
+            self._admit_compiled()
         scheduler, room = self.scheduler, self.parts.cfg.max_num_seqs
         # A step takes at most max_num_batched_tokens from the waiting queue, FCFS: admitting beyond that
         # changes no schedule and only puts host work before the first launch (256 bench requests: ~40 ms
         # of admission before step 0); later steps admit the rest while the GPU runs the one in flight.
         step_tokens, queued = self.parts.cfg.max_num_batched_tokens, None
-        while not self.fed_all and scheduler.num_waiting + scheduler.num_running < room:
+        while not self.fed_all and scheduler.num_waiting + scheduler.num_running + len(self.compiling) < room:
             queued = scheduler.num_waiting_tokens if queued is None else queued
             if queued >= step_tokens:
                 return
-            request = self.call.requests.poll(wait=not scheduler.has_unfinished())
+            request = self.call.requests.poll(wait=not scheduler.has_unfinished() and not self.compiling)
             if request is NOT_YET:
                 return
             if request is None:
@@ -130,6 +138,39 @@ class StepLoop:
         out = RequestOutput(req.index, req.prompt, req.prompt_token_ids, None, [], "error", req.error,
                             custom_id=getattr(req, "custom_id", None))
         params = self._checked_params(req, out)
+        compiled = None
+        if out.error is None and params.structured_outputs is not None:
+            future = self.call.grammars.submit(params.structured_outputs)
+            if not future.done():  # joins the batch once compiled (`_admit_compiled`); the batch runs on
+                self.compiling.append((req, out, params, future))
+                return 0
+            compiled = self._compiled(future, out)
+        return self._admit_checked(req, out, params, compiled)
+
+    def _compiled(self, future: Any, out: RequestOutput) -> Any:
+        """A done compilation's grammar, or None with `out.error` set (a schema, regex or grammar that does not
+        compile)."""
+        try:
+            return future.result()
+        except ValueError as exc:
+            out.error = str(exc)
+            return None
+
+    def _admit_compiled(self, wait: bool = False) -> None:
+        """Admit the structured requests whose grammar is compiled (`wait`: wait for the first one)."""
+        if wait:
+            concurrent.futures.wait([self.compiling[0][3]])
+        still = []
+        for req, out, params, future in self.compiling:
+            if future.done():
+                self._admit_checked(req, out, params, self._compiled(future, out))
+            else:
+                still.append((req, out, params, future))
+        self.compiling = still
+
+    def _admit_checked(self, req: PromptRequest, out: RequestOutput, params: SamplingParams | None,
+                       compiled: Any) -> int:
+        """Queue a checked request as its completions (or finish it as an error row) -> the tokens it queued."""
         if out.error is not None:
             out.text = None
             if self.call.keep_outputs:
@@ -150,21 +191,23 @@ class StepLoop:
                            fork_from=first)
             self.next_seq_id += 1
             first = seq if first is None else first
-            queued += self._queue(seq, child)
+            queued += self._queue(seq, child, compiled)
         if first is not None:
             self.unfinished_children[first.seq_id] = len(indices)
         return queued
 
-    def _queue(self, seq: Sequence, out: RequestOutput) -> int:
-        """Hand one sequence (a completion) to the scheduler and the sampler -> the tokens it queued."""
+    def _queue(self, seq: Sequence, out: RequestOutput, compiled: Any = None) -> int:
+        """Hand one sequence (a completion) to the scheduler and the sampler -> the tokens it queued;
+        `compiled`: its structured output's grammar (each completion gets a matcher of its own)."""
         if self.call.keep_outputs:
             self.outputs.append(out)
         text = None
         if seq.params.stop:
             text = self.texts[seq.seq_id] = OutputText(self.call.decode, seq.prompt_token_ids, seq.params.stop,
                                                        seq.params.include_stop_str_in_output)
-        self.sampling.admit(seq)
-        self.scheduler.add(seq, stop_text=text)
+        grammar = self.call.grammars.matcher(compiled) if compiled is not None else None
+        self.sampling.admit(seq, grammar)
+        self.scheduler.add(seq, stop_text=text, grammar=grammar)
         self.live[seq.seq_id] = (seq, out)
         return self.scheduler.tokens_to_compute(seq)
 
@@ -178,6 +221,9 @@ class StepLoop:
             if out.error is None and params.stop and self.call.decode is None:
                 out.error = "sampling.stop needs the checkpoint's tokenizer (stop strings are matched on the " \
                             "text); use stop_token_ids"
+            if out.error is None and params.structured_outputs is not None and self.call.grammars is None:
+                out.error = "sampling.structured_outputs needs the checkpoint's tokenizer (grammars are built " \
+                            "over its vocabulary)"
         except ValueError as exc:
             out.error = str(exc)
             return None
@@ -209,7 +255,10 @@ class StepLoop:
         self._refill()
         clock.lap("postprocess")
         if loop.launched is None and not self.scheduler.has_unfinished():
-            return False
+            if not self.compiling:
+                return False
+            self._admit_compiled(wait=True)  # nothing else to run: wait for a grammar
+            return True
         schedule = self.scheduler.schedule()
         # every schedule goes through the builder, even one that runs nothing: it may still have
         # preempted or finished sequences, whose drops the builder sends with the next plan

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from spmd_engine.core.block_manager import BlockManager
 from spmd_engine.core.detokenizer import OutputText
@@ -26,6 +27,13 @@ from spmd_engine.core.sequence import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+class TokenGrammar(Protocol):
+    """A structured-output request's grammar (spmd_engine/structured/grammars.GrammarState)."""
+
+    def accept(self, token: int) -> bool:
+        """Take the next output token; True once the grammar has ended."""
 
 
 @dataclass
@@ -131,6 +139,7 @@ class Scheduler:
         self._unfinished: dict[int, Sequence] = {}
         self._left_since_schedule: list[int] = []
         self._stop_texts: dict[int, OutputText] = {}  # seq_id -> its followed text (requests with stop strings)
+        self._grammars: dict[int, TokenGrammar] = {}  # seq_id -> its grammar (structured outputs)
         self.num_preemptions = 0
         self.num_prompt_tokens_computed = 0  # prompt positions scheduled for compute (recomputes included)
 
@@ -158,8 +167,9 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self._unfinished)
 
-    def add(self, seq: Sequence, stop_text: OutputText | None = None) -> None:
-        """Queue `seq`; `stop_text` follows its output text for its stop strings (fed every token)."""
+    def add(self, seq: Sequence, stop_text: OutputText | None = None, grammar: TokenGrammar | None = None) -> None:
+        """Queue `seq`; `stop_text` follows its output text for its stop strings (fed every token); `grammar`
+        (structured outputs) takes every token too and ends the sequence ("stop") when it has ended."""
         if seq.seq_id in self._unfinished:
             raise ValueError(f"request id {seq.seq_id} is already in flight")
         if seq.num_tokens > self.config.max_model_len:
@@ -172,6 +182,8 @@ class Scheduler:
         self._unfinished[seq.seq_id] = seq
         if stop_text is not None:
             self._stop_texts[seq.seq_id] = stop_text
+        if grammar is not None:
+            self._grammars[seq.seq_id] = grammar
         self.waiting.append(seq)
 
     def abort(self, seq_id: int) -> bool:
@@ -381,6 +393,10 @@ class Scheduler:
             if matched is not None:  # fed every token: it follows the text
                 seq.stop_reason = matched.stop
                 return FINISH_STOP
+        if params.structured_outputs is not None:
+            grammar = self._grammars.get(seq.seq_id)
+            if grammar is not None and grammar.accept(token):  # its stop token taken: the output is complete
+                return FINISH_STOP
         if num_output >= params.max_tokens or num_tokens >= self.config.max_model_len:
             return FINISH_LENGTH
         return None
@@ -401,4 +417,5 @@ class Scheduler:
         seq.finish_reason = reason
         del self._unfinished[seq.seq_id]
         self._stop_texts.pop(seq.seq_id, None)
+        self._grammars.pop(seq.seq_id, None)
         self._left_since_schedule.append(seq.seq_id)

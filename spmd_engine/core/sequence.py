@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from spmd_engine.structured.params import StructuredOutputsParams
+
 FINISH_STOP = "stop"  # an EOS token was sampled
 FINISH_LENGTH = "length"  # max_tokens or max_model_len reached
 FINISH_ABORT = "abort"  # the client went away before the end
@@ -59,6 +61,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     # completions of the prompt (vLLM semantics): child i draws with seed + i, the prompt is prefilled once
     n: int = 1
+    # output constrained to a JSON schema / JSON object / regex / choice / EBNF grammar (spmd_engine/structured):
+    # a StructuredOutputsParams or a dict of its fields (validate() makes it the dataclass)
+    structured_outputs: Any = None
 
     @property
     def has_penalties(self) -> bool:
@@ -112,6 +117,8 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_number(value) or not -2 <= value <= 2:
                 raise ValueError(f"sampling.{name} must be in [-2, 2], got {value!r}")
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"sampling.n must be an integer in [1, {MAX_N}], got {self.n!r}")
         for name in ("logprobs", "prompt_logprobs"):

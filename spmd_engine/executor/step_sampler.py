@@ -24,6 +24,7 @@ from spmd_engine.executor.logprobs import (PendingLogprobs, SampledLogprobRows, 
 from spmd_engine.executor.sampler import Sampler, SamplingBatch, seed_bits
 from spmd_engine.executor.sampler_graphs import SamplerGraphs
 from spmd_engine.executor.token_readback import ReadbackBuffers, TokenReadback
+from spmd_engine.structured.grammars import GrammarMasks, GrammarState
 from spmd_engine.telemetry.gpu_timeline import GpuTimeline
 
 
@@ -100,10 +101,16 @@ class StepSampler:
         self.logprobs: dict[int, list[dict]] = {}
         self.prompt_logprobs: dict[int, list[dict | None]] = {}
         self.graph_steps = 0  # steps sampled by replaying a sampler graph
+        self.grammars: dict[int, GrammarState] = {}  # seq_id -> its grammar (structured outputs)
+        self.masks: GrammarMasks | None = None  # made at the first constrained row
+        self.grammar_rebuilds = 0  # matchers rebuilt from their sequence's output (none expected)
 
-    def admit(self, seq: Sequence) -> None:
-        """Fix a new request's row constants and open its logprobs entries (if it asked for any)."""
+    def admit(self, seq: Sequence, grammar: GrammarState | None = None) -> None:
+        """Fix a new request's row constants and open its logprobs entries (if it asked for any); `grammar`:
+        its structured output's matcher, whose mask every draw of the sequence takes."""
         params = seq.params
+        if grammar is not None:
+            self.grammars[seq.seq_id] = grammar
         if params.logprobs is not None:
             self.logprobs[seq.seq_id] = []
         if params.prompt_logprobs is not None:
@@ -113,6 +120,7 @@ class StepSampler:
     def release(self, seq_id: int) -> tuple[list[dict] | None, list[dict | None] | None]:
         """A finished request's (logprobs, prompt_logprobs); its constants go at the next collect."""
         self.consts_done.append(seq_id)
+        self.grammars.pop(seq_id, None)
         return self.logprobs.pop(seq_id, None), self.prompt_logprobs.pop(seq_id, None)
 
     def queue_prompt_logprobs(self, schedule: ScheduleOutput, logits: torch.Tensor | None) -> PromptLogprobs | None:
@@ -149,10 +157,12 @@ class StepSampler:
                              np.array(temperatures, dtype=np.float64), np.array(top_ps, dtype=np.float64),
                              np.array(top_ks, dtype=np.int64))
         wanted = None
+        if any(transformed):  # logprobs of the raw logits, before any transform (None and no work when no row asks)
+            wanted = SampledLogprobRows.take(launched.logits, [s.params.logprobs for s in seqs])
+        if self.grammars:  # structured outputs: the grammar's mask first (min_p then sees the allowed tokens)
+            self._apply_grammars(launched.logits, seqs, rows.counters)
         if any(transformed):  # some row asks for logprobs, min_tokens, penalties or min_p
             picked = list(zip(seqs, positions))
-            # logprobs of the raw logits, before any transform (None and no work when no row asks)
-            wanted = SampledLogprobRows.take(launched.logits, [s.params.logprobs for s in seqs])
             apply_min_tokens(launched.logits, picked, self.eos_token_ids)
             apply_penalties_and_min_p(launched.logits, picked)
         timeline.mark(launched.index, "sample_start")
@@ -161,6 +171,26 @@ class StepSampler:
         pending = (wanted.rows, wanted.finish(tokens)) if wanted is not None else None
         return SampledStep(schedule, seqs, tokens, TokenReadback(tokens, self.readback_buffers), pending,
                            launched.prompt_logprobs)
+
+    def _apply_grammars(self, logits: torch.Tensor | None, seqs: list[Sequence], counters: np.ndarray) -> None:
+        """Mask the rows of constrained sequences (not finished) with their grammars' next-token bitmasks. A
+        row's counter is the number of output tokens before its draw, all on the host and taken by the
+        grammar by now (the previous step's tokens are post-processed first); a grammar that disagrees is
+        rebuilt from the sequence's output."""
+        rows, states = [], []
+        for i, seq in enumerate(seqs):
+            state = self.grammars.get(seq.seq_id)
+            if state is None or seq.is_finished:
+                continue
+            if state.num_accepted != int(counters[i]):
+                state.rebuild(seq.output_token_ids[:int(counters[i])])
+                self.grammar_rebuilds += 1
+            rows.append(i)
+            states.append(state)
+        if rows:
+            if self.masks is None:
+                self.masks = GrammarMasks(logits.shape[-1], logits.device)
+            self.masks.apply(logits, rows, states)
 
     def _draw(self, launched: LaunchedStep, rows: SamplingBatch, transformed: bool) -> torch.Tensor:
         """One sampler-graph replay when the step allows it (all greedy / all plain), else the eager sampler."""

@@ -62,7 +62,10 @@ class RequestFeed:
         self._char_limit = prompt_char_limit(self.tokenizer, self.max_model_len)
 
     def sampling_for(self, request: PromptRequest) -> dict:
-        return {**vars(self.cfg.sampling), **request.overrides}
+        sampling = {**vars(self.cfg.sampling), **request.overrides}
+        if hasattr(sampling.get("structured_outputs"), "to_dict"):  # the job-wide default: its fields, as JSON
+            sampling["structured_outputs"] = sampling["structured_outputs"].to_dict()
+        return sampling
 
     def where(self, index: int) -> str | None:
         """Where request `index` was written, as its error rows name it (line N of a prompts file is

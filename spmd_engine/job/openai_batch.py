@@ -22,7 +22,8 @@ _COMMON = {"max_tokens": "max_tokens", "temperature": "temperature", "top_p": "t
            "top_k": "top_k", "min_tokens": "min_tokens", "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids",
            "include_stop_str_in_output": "include_stop_str_in_output", "prompt_logprobs": "prompt_logprobs",
            "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
-           "repetition_penalty": "repetition_penalty", "min_p": "min_p", "n": "n"}
+           "repetition_penalty": "repetition_penalty", "min_p": "min_p", "n": "n",
+           "structured_outputs": "structured_outputs"}
 CHAT_FIELDS = {**_COMMON, "messages": "messages", "max_completion_tokens": "max_tokens",
                "chat_template_kwargs": "chat_template_kwargs"}
 COMPLETION_FIELDS = {**_COMMON, "prompt": "prompt"}
@@ -75,12 +76,12 @@ def translate(obj: dict) -> tuple[dict | None, str | None, str | None, str | Non
         if key in fields:
             if fields[key] is not None:
                 request[fields[key]] = value
-        elif key not in ("logprobs", "top_logprobs"):
+        elif key not in ("logprobs", "top_logprobs", "response_format"):
             unsupported.append(key)
     if unsupported:
         return None, custom_id, kind, f"body field(s) not supported by this engine: {', '.join(unsupported)} " \
                                       f"(url {obj['url']})"
-    error = _logprobs(kind, body, request)
+    error = _logprobs(kind, body, request) or _response_format(body, request)
     if error:
         return None, custom_id, kind, error
     if kind == "completions" and isinstance(request.get("prompt"), list) and all(
@@ -106,6 +107,31 @@ class CustomIds:
             return None
         shown = custom_id if len(custom_id) <= 80 else custom_id[:80] + "..."
         return f"duplicate custom_id {shown!r} (first on line {first}); custom_ids must be unique in a batch file"
+
+
+def _response_format(body: dict, request: dict) -> str | None:
+    """`response_format` -> our `structured_outputs`: {"type": "json_object"} (any JSON object), {"type":
+    "json_schema", "json_schema": {"schema": {...}}} (that schema), {"type": "text"} (nothing)."""
+    if "response_format" not in body or body["response_format"] is None:
+        return None
+    form = body["response_format"]
+    kind = form.get("type") if isinstance(form, dict) else None
+    if kind == "text":
+        return None
+    if "structured_outputs" in request:
+        return "body.response_format and body.structured_outputs both constrain the output: give one"
+    if kind == "json_object":
+        request["structured_outputs"] = {"json_object": True}
+    elif kind == "json_schema":
+        spec = form.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, (dict, str)):
+            return "body.response_format.json_schema.schema must be a JSON schema object"
+        request["structured_outputs"] = {"json": schema}
+    else:
+        return "body.response_format.type must be text, json_object or json_schema, got " \
+               f"{str(kind)[:40]!r}"
+    return None
 
 
 def _logprobs(kind: str, body: dict, request: dict) -> str | None:

@@ -43,6 +43,7 @@ OVERRIDE_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "presence_penalty": ((int, float), "a number"),
     "frequency_penalty": ((int, float), "a number"),
     "n": ((int,), "an integer"),
+    "structured_outputs": ((dict, type(None)), "an object or null"),
 }
 REQUEST_KEYS = ("chat_template_kwargs",)  # per-request keys that are neither the prompt nor sampling
 NO_TOKENIZER_ERROR = "prompt text given but the checkpoint has no tokenizer; pass prompt_token_ids"
@@ -81,7 +82,7 @@ def _problem(obj: Any) -> str | None:
     unknown = [k for k in obj if k not in PROMPT_KEYS and k not in OVERRIDE_TYPES and k not in REQUEST_KEYS]
     if unknown:
         allowed = ', '.join((*PROMPT_KEYS, *OVERRIDE_TYPES, *REQUEST_KEYS))
-        return f"unknown key {_short(repr(unknown[0]))} (allowed: {allowed})"
+        return f"unknown key {_short(repr(unknown[0]), 40)} (allowed: {allowed})"
     if sum(k in obj for k in PROMPT_KEYS) != 1:
         return "give exactly one of 'prompt', 'prompt_token_ids' or 'messages'"
     if "messages" in obj:

@@ -76,7 +76,7 @@ def test_jsonl_bad_lines_get_errors_and_good_lines_survive(tmp_path):
         "prompts_file line 7: unknown key 'temprature' (allowed: prompt, prompt_token_ids, messages, "
         "temperature, top_p, top_k, max_tokens, ignore_eos, seed, stop, stop_token_ids, min_tokens, "
         "include_stop_str_in_output, logprobs, prompt_logprobs, min_p, repetition_penalty, presence_penalty, "
-        "frequency_penalty, n, chat_template_kwargs)",
+        "frequency_penalty, n, structured_outputs, chat_template_kwargs)",
         "prompts_file line 8: 'prompt' must be a string, got int",
         "prompts_file line 9: 'prompt_token_ids' must be a list of integers",
         "prompts_file line 10: 'prompt_token_ids' must be a list of integers",
