@@ -72,3 +72,23 @@ def test_triton_backend_matches_torch(tmp_path, case):
     assert relative_error(torch.cat(ours.prefill_logits), torch.cat(ref.prefill_logits)) < 1e-5
     assert all(relative_error(a, b) < 1e-5 for a, b in zip(ours.decode_logits, ref.decode_logits))
     assert ours.generated == ref.generated
+
+
+@pytest.mark.parametrize("group", ["gemma3", "qwen2_5_7b", "mistral_7b"])
+def test_model_groups_build_on_the_meta_device(group):
+    """The conf/model shapes build (no memory: meta tensors) with the windows their configs give."""
+    from pathlib import Path
+
+    import torch
+    import yaml
+
+    from spmd_engine.models.parallel import TensorParallel
+    from spmd_engine.models.registry import build_model
+
+    conf = yaml.safe_load((Path(__file__).resolve().parents[2] / "conf" / "model" / f"{group}.yaml").read_text())
+    with torch.device("meta"):
+        model = build_model(conf["hf_config"], TensorParallel.single())
+    windows = [layer.window for layer in model.attention_layers()]
+    expected = {"gemma3": [0 if (i + 1) % 6 == 0 else 512 for i in range(18)], "qwen2_5_7b": [0] * 28,
+                "mistral_7b": [4096] * 32}[group]
+    assert windows == expected
