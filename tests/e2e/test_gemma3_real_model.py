@@ -32,7 +32,7 @@ STORY = ("The lighthouse keeper climbed the spiral stairs every evening, countin
 
 
 def _prompts() -> list[list[dict]]:
-    long = [STORY * n + f"Question {n}: how many steps did the keeper climb?" for n in (14, 18, 22, 26)]
+    long = [STORY * n + f"Question {n}: how many steps did the keeper climb?" for n in (16, 20, 24, 28)]
     return [[{"role": "user", "content": text}] for text in QUESTIONS + long]
 
 
