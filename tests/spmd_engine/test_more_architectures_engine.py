@@ -71,3 +71,12 @@ def _single():
     from spmd_engine.models.parallel import TensorParallel
 
     return TensorParallel.single()
+
+
+def test_bench_floor_counts_a_sliding_layer_window_only():
+    from spmd_engine.job.bench_report import _keys_read, _prefill_pairs
+
+    for p, n, window in [(10, 5, 0), (10, 5, 12), (10, 5, 3), (100, 300, 256), (8192, 256, 512), (1, 1, 4)]:
+        assert _keys_read(p, n, window) == sum(min(p + j, window or p + j) for j in range(1, n))
+    assert _prefill_pairs(1000, 0) == _prefill_pairs(1000, 1000) == 500_000
+    assert _prefill_pairs(1000, 100) == 100 * 100 / 2 + 900 * 100
