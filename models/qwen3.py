@@ -14,8 +14,8 @@ from spmd_engine.models.parallel import TensorParallel
 
 
 class Qwen3Attention(LlamaAttention):
-    def __init__(self, shape: ModelShape, tp: TensorParallel, backend: str) -> None:
-        super().__init__(shape, tp, backend)
+    def __init__(self, shape: ModelShape, tp: TensorParallel, backend: str, window: int = 0) -> None:
+        super().__init__(shape, tp, backend, window=window)
         self.q_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps)
         self.k_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps)  # the same eps as q_norm (one kernel for both)
 

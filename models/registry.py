@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from spmd_engine.models.causal_lm import CausalLM
+from spmd_engine.models.gemma3 import Gemma3ForCausalLM
 from spmd_engine.models.llama import LlamaForCausalLM
 from spmd_engine.models.model_config import ModelShape
 from spmd_engine.models.parallel import TensorParallel
@@ -15,6 +16,9 @@ from spmd_engine.models.qwen3 import Qwen3ForCausalLM
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,  # q/k/v biases (ModelShape.qkv_bias), no q/k norm
+    "MistralForCausalLM": LlamaForCausalLM,  # a sliding window on every layer where `sliding_window` is set
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 
@@ -24,9 +28,11 @@ def build_model(hf_config: dict[str, Any], tp: TensorParallel, attention_backend
     if model_cls is None:
         raise ValueError(f"model architecture {shape.architecture!r} is not supported; "
                          f"supported: {', '.join(sorted(MODEL_CLASSES))}")
-    if shape.hidden_act != "silu":
-        raise ValueError(f"model hidden_act must be 'silu', got {shape.hidden_act!r}")
-    if hf_config.get("use_sliding_window"):
-        raise ValueError("model use_sliding_window must be false: sliding-window attention is not supported")
+    activations = getattr(model_cls, "hidden_acts", ("silu",))
+    if shape.hidden_act not in activations:
+        raise ValueError(f"model hidden_act must be {' or '.join(map(repr, activations))}, got {shape.hidden_act!r}")
+    if shape.attn_logit_softcapping:
+        raise ValueError(f"model attn_logit_softcapping must be null (not supported), got "
+                         f"{shape.attn_logit_softcapping}")
     shape.validate_tensor_parallel(tp.world_size)
     return model_cls(shape, tp, attention_backend)

