@@ -9,8 +9,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spmd_engine.models.layers.rope_config import RopeConfig
+from spmd_engine.models.moe_shape import MoeShape
 
-_ARCHITECTURE_BY_MODEL_TYPE = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+_ARCHITECTURE_BY_MODEL_TYPE = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
+                               "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def _eos_ids(value: Any) -> list[int]:
@@ -40,6 +42,7 @@ class ModelShape:
     attention_bias: bool = False
     mlp_bias: bool = False
     hidden_act: str = "silu"
+    moe: MoeShape | None = None  # sparse-MoE layers (models/moe_shape.py); None: dense
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> ModelShape:
@@ -67,6 +70,7 @@ class ModelShape:
             attention_bias=bool(config.get("attention_bias", False)),
             mlp_bias=bool(config.get("mlp_bias", False)),
             hidden_act=str(config.get("hidden_act", "silu")),
+            moe=MoeShape.from_hf_config(config),
         )
 
     @property
@@ -89,6 +93,8 @@ class ModelShape:
         if self.intermediate_size % tp_size:
             raise ValueError(f"tensor_parallel_size={tp_size} must divide the model's "
                              f"intermediate_size={self.intermediate_size}")
+        if self.moe is not None:
+            self.moe.validate_tensor_parallel(tp_size)
 
     def kv_heads_per_rank(self, tp_size: int) -> int:
         """KV heads each rank stores (1 when KV heads are replicated across ranks)."""

@@ -38,17 +38,20 @@ def make_tiny_checkpoint(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     tokenizer: bool = True,
+    moe: dict[str, Any] | None = None,
 ) -> Path:
     """Write a random `arch` ("qwen3" | "llama") checkpoint into `tmp_dir` and return the path.
 
     `rope_scaling` is an HF rope dict without rope_theta, e.g. {"rope_type": "yarn", "factor": 4.0,
     "original_max_position_embeddings": 16}. With `tokenizer`, token ids 0/1/2 are bos/eos/pad and
     id 3 + b is byte b (so vocab_size must be >= 259); eos_token_id is 1 either way.
+    arch "qwen3_moe": `moe` holds the Qwen3MoeConfig keys (num_experts, num_experts_per_tok,
+    moe_intermediate_size, norm_topk_prob, decoder_sparse_step, mlp_only_layers); defaults below.
     """
     from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen3Config
 
-    if arch not in ("qwen3", "llama"):
-        raise ValueError(f"arch must be 'qwen3' or 'llama', got {arch!r}")
+    if arch not in ("qwen3", "llama", "qwen3_moe"):
+        raise ValueError(f"arch must be 'qwen3', 'llama' or 'qwen3_moe', got {arch!r}")
     path = Path(tmp_dir)
     path.mkdir(parents=True, exist_ok=True)
     common: dict[str, Any] = dict(
@@ -61,6 +64,10 @@ def make_tiny_checkpoint(
     )
     if arch == "llama":
         config = LlamaConfig(mlp_bias=mlp_bias, **common)
+    elif arch == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+
+        config = Qwen3MoeConfig(**{**MOE_DEFAULTS, **(moe or {})}, **common)
     else:
         if mlp_bias:
             raise ValueError("Qwen3 has no mlp_bias")
@@ -76,6 +83,10 @@ def make_tiny_checkpoint(
     if tokenizer:
         _save_byte_tokenizer(path, vocab_size)
     return path
+
+
+MOE_DEFAULTS: dict[str, Any] = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
 
 
 def _save_byte_tokenizer(path: Path, vocab_size: int) -> None:

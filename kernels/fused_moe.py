@@ -1,0 +1,142 @@
+"""Fused MoE experts on the GPU: two Triton grouped GEMMs over the routing slots grouped by expert
+(`kernels/moe_align.py`), each block of BLOCK_M rows one expert's, so each touched expert's weights are read
+once per block of its tokens and untouched experts not at all.
+
+1. gate_up: act[row] = silu(x[t] @ gate_e^T) * (x[t] @ up_e^T) for the slot in each row (t = slot // k), both
+   halves of the packed w13 [E, 2I, H] in one program, the activation rounded once to x's dtype.
+2. down: y[slot] = weight[slot] * (act[row] @ down_e^T), w2 [E, H, I], float32 accumulation.
+Then out[t] = sum over the token's k slots (float32), rounded once to `out_dtype`.
+
+Oracle: `reference.fused_moe_reference` (the CPU path of the MoE layer). Shapes depend on T, k and the expert
+count only (no host synchronisation), so CUDA graphs capture it. `block_config` picks the tiles from the
+average slots per expert; `warm_up` compiles every configuration the engine can pick before the first step.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from spmd_engine.kernels.moe_align import moe_align
+
+BLOCK_MS = (16, 32, 64)
+
+
+@triton.jit
+def _gate_up_kernel(x, w13, act, sorted_slots, block_experts, num_padded, num_slots, inter, hidden,
+                    stride_xt, stride_we, stride_wn, stride_at, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_padded):
+        return
+    expert = tl.load(block_experts + pid_m)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slots = tl.load(sorted_slots + rows)
+    valid = (slots < num_slots) & (expert >= 0)
+    tokens = (slots // TOP_K).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = (cols < inter) & (expert >= 0)
+    w_base = w13 + tl.maximum(expert, 0).to(tl.int64) * stride_we
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < hidden
+        a = tl.load(x + tokens[:, None] * stride_xt + ks[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0)
+        w_mask = col_mask[None, :] & k_mask[:, None]
+        w_gate = tl.load(w_base + cols[None, :].to(tl.int64) * stride_wn + ks[:, None], mask=w_mask, other=0.0)
+        w_up = tl.load(w_base + (cols + inter)[None, :].to(tl.int64) * stride_wn + ks[:, None], mask=w_mask,
+                       other=0.0)
+        acc_gate = tl.dot(a, w_gate, acc_gate)
+        acc_up = tl.dot(a, w_up, acc_up)
+    out = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
+    tl.store(act + rows[:, None].to(tl.int64) * stride_at + cols[None, :], out.to(act.dtype.element_ty),
+             mask=(slots < num_slots)[:, None] & (cols < inter)[None, :])
+
+
+@triton.jit
+def _down_kernel(act, w2, y, sorted_slots, block_experts, topk_weights, num_padded, num_slots, hidden, inter,
+                 stride_at, stride_we, stride_wn, stride_yt, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_padded):
+        return
+    expert = tl.load(block_experts + pid_m)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slots = tl.load(sorted_slots + rows)
+    in_use = slots < num_slots
+    valid = in_use & (expert >= 0)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_in = cols < hidden
+    col_mask = col_in & (expert >= 0)
+    w_base = w2 + tl.maximum(expert, 0).to(tl.int64) * stride_we
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < inter
+        a = tl.load(act + rows[:, None].to(tl.int64) * stride_at + ks[None, :], mask=valid[:, None] & k_mask[None, :],
+                    other=0.0)
+        w = tl.load(w_base + cols[None, :].to(tl.int64) * stride_wn + ks[:, None],
+                    mask=col_mask[None, :] & k_mask[:, None], other=0.0)
+        acc = tl.dot(a, w, acc)
+    weight = tl.load(topk_weights + slots, mask=valid, other=0.0)
+    acc = acc * weight[:, None]  # rows of another rank's experts: zeros
+    tl.store(y + slots[:, None].to(tl.int64) * stride_yt + cols[None, :], acc.to(y.dtype.element_ty),
+             mask=in_use[:, None] & col_in[None, :])
+
+
+def block_config(num_slots: int, num_local: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K) from the average slots per local expert (decode: 16-row blocks)."""
+    per_expert = num_slots / max(num_local, 1)
+    block_m = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
+    return block_m, 64, 64
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, first_expert: int = 0, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [T, H]; w13 [E_local, 2I, H]; w2 [E_local, H, I]; topk_weights [T, k] float32; topk_ids [T, k] (global
+    expert ids; this rank holds first_expert ..) -> [T, H] in `out_dtype` (None: x's dtype)."""
+    num_tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    num_local, inter2, w_hidden = w13.shape
+    inter = inter2 // 2
+    if w_hidden != hidden or tuple(w2.shape) != (num_local, hidden, inter):
+        raise ValueError(f"fused_moe: x {tuple(x.shape)}, w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} "
+                         "do not fit [T, H], [E, 2I, H], [E, H, I]")
+    out_dtype = out_dtype or x.dtype
+    if num_tokens == 0:
+        return torch.zeros(0, hidden, dtype=out_dtype, device=x.device)
+    x = x.contiguous()
+    num_slots = num_tokens * top_k
+    block_m, block_n, block_k = block_config(num_slots, num_local)
+    align = moe_align(topk_ids, num_local, block_m, first_expert)
+    rows = align.sorted_slots.shape[0]
+    act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
+    weights = topk_weights.reshape(-1).float().contiguous()
+    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    _gate_up_kernel[(rows // block_m, triton.cdiv(inter, block_n))](
+        x, w13, act, align.sorted_slots, align.block_experts, align.num_padded, num_slots, inter, hidden,
+        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k, **meta)
+    y = torch.empty(num_slots, hidden, dtype=torch.float32 if x.dtype == torch.float32 else x.dtype,
+                    device=x.device)
+    _down_kernel[(rows // block_m, triton.cdiv(hidden, block_n))](
+        act, w2, y, align.sorted_slots, align.block_experts, weights, align.num_padded, num_slots, hidden, inter,
+        act.stride(0), w2.stride(0), w2.stride(1), y.stride(0), **meta)
+    return y.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(out_dtype)
+
+
+def warm_up(hidden: int, inter: int, num_local: int, top_k: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Compile every (BLOCK_M, BLOCK_N, BLOCK_K) `fused_moe` may pick for these shapes, so no step compiles one."""
+    w13 = torch.zeros(num_local, 2 * inter, hidden, dtype=dtype, device=device)
+    w2 = torch.zeros(num_local, hidden, inter, dtype=dtype, device=device)
+    seen = set()
+    for tokens in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192):
+        config = block_config(tokens * top_k, num_local)
+        if config in seen:
+            continue
+        seen.add(config)
+        x = torch.zeros(tokens, hidden, dtype=dtype, device=device)
+        ids = (torch.arange(tokens * top_k, device=device) % num_local).view(tokens, top_k).to(torch.int32)
+        fused_moe(x, w13, w2, torch.ones(tokens, top_k, device=device), ids)
