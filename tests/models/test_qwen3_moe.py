@@ -74,16 +74,15 @@ def run_splits(path: Path, tp: TensorParallel) -> dict[str, list[torch.Tensor]]:
     """split/source -> [prefill logits, decode logits per step]; empty lists on ranks without logits."""
     config = json.loads((path / "config.json").read_text())
     results = {}
-    for split in ("experts", "intermediate"):
-        for source in ("safetensors", "dummy"):
-            model = build_model(config, tp, moe_tp_split=split)
-            if source == "dummy":
-                load_dummy_weights(model, seed=3)
-            else:
-                load_safetensors_weights(model, path)
-            run = run_paged(model, PROMPTS, STEPS, forced_tokens=FORCED)
-            results[f"{split}/{source}"] = ([torch.cat(run.prefill_logits)] if run.prefill_logits else []) + \
-                run.decode_logits
+    for split, source in (("experts", "safetensors"), ("intermediate", "safetensors"), ("experts", "dummy")):
+        model = build_model(config, tp, moe_tp_split=split)
+        if source == "dummy":
+            load_dummy_weights(model, seed=3)
+        else:
+            load_safetensors_weights(model, path)
+        run = run_paged(model, PROMPTS, STEPS, forced_tokens=FORCED)
+        results[f"{split}/{source}"] = ([torch.cat(run.prefill_logits)] if run.prefill_logits else []) + \
+            run.decode_logits
     return results
 
 
