@@ -85,6 +85,18 @@ class Qwen3MoeSparseBlock(nn.Module):
         self.gate = MoeRouter(shape.hidden_size, moe.num_experts)
         self.experts = MoeExperts(moe, shape.hidden_size, tp)
 
+    def touched_bytes(self, num_tokens: int) -> float:
+        """Expected bytes of this rank's experts that one step of `num_tokens` tokens reads, under uniform
+        routing (k experts per token of E): num_local x (1 - (1 - k/E)^T) experts (the bench floor)."""
+        experts, total = self.experts, self.gate.weight.shape[0]
+        per_expert = (experts.w13[0].numel() + experts.w2[0].numel()) * experts.w13.element_size()
+        return experts.num_local * (1.0 - (1.0 - self.top_k / total) ** num_tokens) * per_expert
+
+    def active_params_per_token(self) -> float:
+        """This rank's share of one token's k experts' parameters, in expectation (prefill FLOPs)."""
+        experts, total = self.experts, self.gate.weight.shape[0]
+        return self.top_k * experts.num_local / total * (experts.w13[0].numel() + experts.w2[0].numel())
+
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [T, H] -> (routing weights [T, k] float32, expert ids [T, k] int32)."""
         logits = self.gate(hidden)

@@ -104,3 +104,24 @@ def test_tensor_parallel_ranks_match_one_rank(tmp_path, world_size):
         assert len(ours) == STEPS + 1
         for step, (a, b) in enumerate(zip(ours, single[name])):
             assert a.shape == b.shape and relative_error(a, b) < 1e-5, f"{name} step {step}"
+
+
+def test_bench_floor_counts_the_experts_a_step_touches():
+    from types import SimpleNamespace
+
+    from spmd_engine.job.bench_report import bench_work
+
+    shape = ModelShape.from_hf_config(moe_config(num_experts=8, moe_intermediate_size=32))
+    model = build_model(moe_config(num_experts=8, moe_intermediate_size=32), TensorParallel.single())
+    llm = SimpleNamespace(shape=shape, replica=SimpleNamespace(tp_size=1), model=model, dtype=torch.float32,
+                          runner=SimpleNamespace(spec=SimpleNamespace(bytes_per_block=64)),
+                          cfg=SimpleNamespace(block_size=4))
+    outputs = [SimpleNamespace(prompt_token_ids=[1, 2], token_ids=[5] * n, finish_reason="length", sample_index=0)
+               for n in (3, 5)]
+    work = bench_work(llm, outputs)
+    expert = 3 * 64 * 32 * 4  # gate, up, down of hidden 64 x 32 in float32
+    touched = lambda batch: 8 * (1 - (1 - 2 / 8) ** batch) * expert  # noqa: E731
+    # decode steps 0..3: both sequences for 2 steps, then the longer one alone; 2 sparse layers
+    assert work["expert_bytes_read"] == pytest.approx(2 * (2 * touched(2) + 2 * touched(1)))
+    assert work["batch1_expert_bytes"] == pytest.approx(2 * 2 * expert)  # k = 2 experts per layer
+    assert work["min_decode_steps"] == 4
