@@ -17,15 +17,16 @@ import torch
 import triton
 import triton.language as tl
 
+from spmd_engine.kernels.attention_support import dot_precision
 from spmd_engine.kernels.moe_align import moe_align
 
 BLOCK_MS = (16, 32, 64)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"])  # T x k changes every step: one compiled kernel for all
 def _gate_up_kernel(x, w13, act, sorted_slots, block_experts, num_padded, num_slots, inter, hidden,
                     stride_xt, stride_we, stride_wn, stride_at, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_padded):
@@ -48,17 +49,17 @@ def _gate_up_kernel(x, w13, act, sorted_slots, block_experts, num_padded, num_sl
         w_gate = tl.load(w_base + cols[None, :].to(tl.int64) * stride_wn + ks[:, None], mask=w_mask, other=0.0)
         w_up = tl.load(w_base + (cols + inter)[None, :].to(tl.int64) * stride_wn + ks[:, None], mask=w_mask,
                        other=0.0)
-        acc_gate = tl.dot(a, w_gate, acc_gate)
-        acc_up = tl.dot(a, w_up, acc_up)
+        acc_gate = tl.dot(a, w_gate, acc_gate, input_precision=DOT_PRECISION)
+        acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
     out = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
     tl.store(act + rows[:, None].to(tl.int64) * stride_at + cols[None, :], out.to(act.dtype.element_ty),
              mask=(slots < num_slots)[:, None] & (cols < inter)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"])
 def _down_kernel(act, w2, y, sorted_slots, block_experts, topk_weights, num_padded, num_slots, hidden, inter,
                  stride_at, stride_we, stride_wn, stride_yt, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+                 BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_padded):
@@ -80,7 +81,7 @@ def _down_kernel(act, w2, y, sorted_slots, block_experts, topk_weights, num_padd
                     other=0.0)
         w = tl.load(w_base + cols[None, :].to(tl.int64) * stride_wn + ks[:, None],
                     mask=col_mask[None, :] & k_mask[:, None], other=0.0)
-        acc = tl.dot(a, w, acc)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
     weight = tl.load(topk_weights + slots, mask=valid, other=0.0)
     acc = acc * weight[:, None]  # rows of another rank's experts: zeros
     tl.store(y + slots[:, None].to(tl.int64) * stride_yt + cols[None, :], acc.to(y.dtype.element_ty),
@@ -115,7 +116,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     rows = align.sorted_slots.shape[0]
     act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
-    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION=dot_precision(x.dtype), num_warps=4)
     _gate_up_kernel[(rows // block_m, triton.cdiv(inter, block_n))](
         x, w13, act, align.sorted_slots, align.block_experts, align.num_padded, num_slots, inter, hidden,
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k, **meta)
@@ -127,16 +128,18 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     return y.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(out_dtype)
 
 
-def warm_up(hidden: int, inter: int, num_local: int, top_k: int, dtype: torch.dtype, device: torch.device) -> None:
-    """Compile every (BLOCK_M, BLOCK_N, BLOCK_K) `fused_moe` may pick for these shapes, so no step compiles one."""
-    w13 = torch.zeros(num_local, 2 * inter, hidden, dtype=dtype, device=device)
-    w2 = torch.zeros(num_local, hidden, inter, dtype=dtype, device=device)
+def warm_up(w13: torch.Tensor, w2: torch.Tensor, top_k: int, max_tokens: int) -> int:
+    """Run `fused_moe` once with every tile configuration `block_config` picks for 1..max_tokens tokens (over
+    these weights, zero inputs), so that no step compiles a kernel; returns how many configurations ran."""
+    num_local, _, hidden = w13.shape
     seen = set()
-    for tokens in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192):
+    tokens = 1
+    while tokens <= max(max_tokens, 1):
         config = block_config(tokens * top_k, num_local)
-        if config in seen:
-            continue
-        seen.add(config)
-        x = torch.zeros(tokens, hidden, dtype=dtype, device=device)
-        ids = (torch.arange(tokens * top_k, device=device) % num_local).view(tokens, top_k).to(torch.int32)
-        fused_moe(x, w13, w2, torch.ones(tokens, top_k, device=device), ids)
+        if config not in seen:
+            seen.add(config)
+            x = torch.zeros(tokens, hidden, dtype=w13.dtype, device=w13.device)
+            ids = (torch.arange(tokens * top_k, device=w13.device) % num_local).view(tokens, top_k).to(torch.int32)
+            fused_moe(x, w13, w2, torch.ones(tokens, top_k, device=w13.device), ids)
+        tokens *= 2
+    return len(seen)

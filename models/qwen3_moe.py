@@ -23,6 +23,7 @@ from spmd_engine.models.parallel import TensorParallel
 from spmd_engine.models.qwen3 import Qwen3ForCausalLM
 
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+_WARMED: set[tuple] = set()  # fused MoE kernel configurations compiled in this process (warm_up_kernels)
 
 
 @functools.lru_cache(maxsize=1)
@@ -96,6 +97,18 @@ class Qwen3MoeSparseBlock(nn.Module):
         """This rank's share of one token's k experts' parameters, in expectation (prefill FLOPs)."""
         experts, total = self.experts, self.gate.weight.shape[0]
         return self.top_k * experts.num_local / total * (experts.w13[0].numel() + experts.w2[0].numel())
+
+    def warm_up_kernels(self, max_tokens: int) -> None:
+        """Compile the fused MoE kernels for every tile configuration a step of up to `max_tokens` tokens may
+        pick (CUDA; once per weight shape and dtype), so that none compiles mid-job."""
+        w13, w2 = self.experts.w13, self.experts.w2
+        key = (tuple(w13.shape), w13.dtype, str(w13.device), self.top_k, max_tokens)
+        if not (w13.is_cuda and _triton_available()) or key in _WARMED:
+            return
+        from spmd_engine.kernels.fused_moe import warm_up
+
+        warm_up(w13, w2, self.top_k, max_tokens)
+        _WARMED.add(key)
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [T, H] -> (routing weights [T, k] float32, expert ids [T, k] int32)."""

@@ -95,3 +95,10 @@ def test_fused_moe_qwen3_30b_shape_bf16(tokens, skew):
     ref = fused_moe_reference(x, w13, w2, weights, ids).float()
     assert (out - ref).norm() / ref.norm() < 1e-2
     torch.testing.assert_close(out, ref, atol=3e-2, rtol=3e-2)
+
+
+def test_warm_up_runs_each_tile_configuration_once():
+    from spmd_engine.kernels.fused_moe import warm_up
+
+    w13, w2 = torch.zeros(4, 32, 16, device=DEVICE), torch.zeros(4, 16, 16, device=DEVICE)
+    assert warm_up(w13, w2, top_k=2, max_tokens=64) == 2  # 16-row blocks to 32 tokens, 32-row at 64
