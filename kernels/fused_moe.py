@@ -89,16 +89,21 @@ def _down_kernel(act, w2, y, sorted_slots, block_experts, topk_weights, num_padd
 
 
 def block_config(num_slots: int, num_local: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K) from the average slots per local expert (decode: 16-row blocks)."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K) from the average slots per local expert. Small decode batches (a few rows per
+    expert: the weights are the traffic) take narrow, deep tiles, twice the programs streaming weights."""
     per_expert = num_slots / max(num_local, 1)
+    if per_expert <= 4:
+        return 16, 32, 128
     block_m = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
     return block_m, 64, 64
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, first_expert: int = 0, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, first_expert: int = 0, out_dtype: torch.dtype | None = None,
+              config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """x [T, H]; w13 [E_local, 2I, H]; w2 [E_local, H, I]; topk_weights [T, k] float32; topk_ids [T, k] (global
-    expert ids; this rank holds first_expert ..) -> [T, H] in `out_dtype` (None: x's dtype)."""
+    expert ids; this rank holds first_expert ..) -> [T, H] in `out_dtype` (None: x's dtype). `config`: tiles
+    (BLOCK_M, BLOCK_N, BLOCK_K) instead of `block_config`'s (benches)."""
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_local, inter2, w_hidden = w13.shape
@@ -111,7 +116,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         return torch.zeros(0, hidden, dtype=out_dtype, device=x.device)
     x = x.contiguous()
     num_slots = num_tokens * top_k
-    block_m, block_n, block_k = block_config(num_slots, num_local)
+    block_m, block_n, block_k = config or block_config(num_slots, num_local)
     align = moe_align(topk_ids, num_local, block_m, first_expert)
     rows = align.sorted_slots.shape[0]
     act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)

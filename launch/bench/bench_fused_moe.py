@@ -14,7 +14,9 @@ alone (moe_tp_split=experts: rank r's E/tp whole experts on the global routing; 
 with I/tp features), and the slowest rank's time is printed for each split: the step waits for it. The
 default `moe_tp_split` follows this table.
 
-Run: `python launch/bench/bench_fused_moe.py [--batches 1 4 16 64 256 1024 4096] [--tp-sim]`
+`--sweep` times every (BLOCK_M, BLOCK_N, BLOCK_K) of a small grid per batch against `block_config`'s pick.
+
+Run: `python launch/bench/bench_fused_moe.py [--batches 1 4 16 64 256 1024 4096] [--tp-sim] [--sweep]`
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import argparse
 import torch
 
 import repo_root  # noqa: F401  (this checkout's engine, before any import of it)
-from spmd_engine.kernels.fused_moe import fused_moe
+from spmd_engine.kernels.fused_moe import block_config, fused_moe
 from spmd_engine.kernels.moe_route import moe_route
 from spmd_engine.kernels.reference import fused_moe_reference
 
@@ -75,12 +77,15 @@ def graph_us(fn, reps: int = 20) -> float:
     return start.elapsed_time(end) * 1e3 / reps
 
 
-def layer_us(xs, w13s, w2s, weights, ids, first_expert: int = 0) -> float:
+def layer_us(xs, w13s, w2s, weights, ids, first_expert: int = 0, config=None) -> float:
     """µs per layer: the fused experts over every weight copy in one graph, divided by the copies."""
     def run():
         for w13, w2 in zip(w13s, w2s):
-            fused_moe(xs, w13, w2, weights, ids, first_expert)
+            fused_moe(xs, w13, w2, weights, ids, first_expert, config=config)
     return graph_us(run) / len(w13s)
+
+
+SWEEP = [(m, n, k) for m in (16, 32, 64) for n in (32, 64, 128) for k in (64, 128)]
 
 
 def main() -> None:
@@ -88,6 +93,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 256, 1024, 4096])
     parser.add_argument("--layers", type=int, default=4, help="weight copies per graph (4 x 1.2 GB: past L2)")
     parser.add_argument("--tp-sim", action="store_true", help="time each rank's share of tp = 2, 4, 8")
+    parser.add_argument("--sweep", action="store_true", help="time every tile choice per batch (uniform routing)")
     args = parser.parse_args()
     device = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
@@ -120,6 +126,15 @@ def main() -> None:
             print(f"{tokens:>6} {skew:>10} {fused:>9.1f} {ref_us:>9.1f} {touched:>7} "
                   f"{touched * expert_bytes / fused / 1e3:>7.0f} {flops / fused / 1e6:>8.1f} "
                   f"{floor_us / fused:>8.2f} {err:>8.1e}")
+    if args.sweep:
+        print("\ntile sweep, uniform routing: µs per layer of block_config's pick and of the best tiles")
+        for tokens in args.batches:
+            x = torch.randn(tokens, HIDDEN, generator=gen).to(device, torch.bfloat16)
+            weights, ids = moe_route(logits_for("uniform", tokens, gen, device), TOP_K, True)
+            times = {c: layer_us(x, w13s, w2s, weights, ids, config=c) for c in SWEEP}
+            best = min(times, key=times.get)
+            print(f"{tokens:>6}: block_config {block_config(tokens * TOP_K, EXPERTS)} "
+                  f"{layer_us(x, w13s, w2s, weights, ids):.1f} us; best {best} {times[best]:.1f} us")
     if args.tp_sim:
         print("\nslowest rank's µs per layer (uniform routing)")
         print(f"{'tokens':>6} {'tp':>3} {'experts':>9} {'intermediate':>12}")

@@ -101,4 +101,4 @@ def test_warm_up_runs_each_tile_configuration_once():
     from spmd_engine.kernels.fused_moe import warm_up
 
     w13, w2 = torch.zeros(4, 32, 16, device=DEVICE), torch.zeros(4, 16, 16, device=DEVICE)
-    assert warm_up(w13, w2, top_k=2, max_tokens=64) == 2  # 16-row blocks to 32 tokens, 32-row at 64
+    assert warm_up(w13, w2, top_k=2, max_tokens=64) == 3  # narrow tiles to 8 tokens, 16-row blocks, 32-row at 64
