@@ -26,9 +26,9 @@ class MoeAlignment:
 
 
 def max_padded_rows(num_slots: int, num_groups: int, block_m: int) -> int:
-    """Rows for the worst case: every group's run padded up by block_m - 1 (rounded to whole blocks)."""
-    rows = num_slots + num_groups * (block_m - 1)
-    return (rows + block_m - 1) // block_m * block_m
+    """Rows for the worst case: a group of c slots takes ceil(c / block_m) <= floor(c / block_m) + 1 blocks,
+    and at most min(groups, slots) groups are non-empty (decode at batch 1: k blocks, not one per expert)."""
+    return (num_slots // block_m + min(num_groups, num_slots)) * block_m
 
 
 def moe_align(topk_ids: torch.Tensor, num_local: int, block_m: int, first_expert: int = 0) -> MoeAlignment:

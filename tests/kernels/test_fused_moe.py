@@ -102,3 +102,16 @@ def test_warm_up_runs_each_tile_configuration_once():
 
     w13, w2 = torch.zeros(4, 32, 16, device=DEVICE), torch.zeros(4, 16, 16, device=DEVICE)
     assert warm_up(w13, w2, top_k=2, max_tokens=64) == 3  # narrow tiles to 8 tokens, 16-row blocks, 32-row at 64
+
+
+def test_align_buffers_hold_the_worst_case():
+    gen = torch.Generator().manual_seed(1)
+    for tokens, experts, top_k, block_m in ((1, 128, 8, 16), (3, 4, 2, 16), (50, 8, 2, 4), (7, 64, 8, 64)):
+        for trial in range(20):
+            ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+            if trial % 2:  # skewed: the same few experts, some rows of another rank's
+                ids = ids % 3
+            for first, local in ((0, experts), (experts // 2, experts // 2)):
+                align = moe_align(ids.to(torch.int32), local, block_m, first)
+                assert int(align.num_padded[0]) <= align.sorted_slots.numel()
+                assert align.block_experts.numel() * block_m == align.sorted_slots.numel()
