@@ -2,6 +2,9 @@
 (`kernels/moe_align.py`), each block of BLOCK_M rows one expert's, so each touched expert's weights are read
 once per block of its tokens and untouched experts not at all.
 
+Steps of at most SMALL_MOE_MAX_TOKENS tokens (decode at small batch) skip the grouping: GEMV-style kernels over
+the (token, expert) slots, the down kernel summing each token's k experts itself (3 launches a layer with the
+router's, against ~12). Larger steps:
 1. gate_up: act[row] = silu(x[t] @ gate_e^T) * (x[t] @ up_e^T) for the slot in each row (t = slot // k), both
    halves of the packed w13 [E, 2I, H] in one program, the activation rounded once to x's dtype.
 2. down: y[slot] = weight[slot] * (act[row] @ down_e^T), w2 [E, H, I], float32 accumulation.
@@ -88,6 +91,88 @@ def _down_kernel(act, w2, y, sorted_slots, block_experts, topk_weights, num_padd
              mask=in_use[:, None] & col_in[None, :])
 
 
+@triton.jit(do_not_specialize=["num_slots", "first_expert"])
+def _gate_up_small_kernel(x, w13, act, topk_ids, num_slots, first_expert, num_local, inter, hidden, stride_xt,
+                          stride_we, stride_wn, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Small batches: one program per (slot, feature tile), GEMV-style (no sort, no padded rows)."""
+    slot = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(topk_ids + slot).to(tl.int32) - first_expert
+    local = (expert >= 0) & (expert < num_local)
+    token = (slot // TOP_K).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = (cols < inter) & local
+    w_base = w13 + tl.where(local, expert, 0).to(tl.int64) * stride_we
+    acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < hidden
+        xv = tl.load(x + token * stride_xt + ks, mask=k_mask, other=0.0).to(tl.float32)
+        w_mask = col_mask[:, None] & k_mask[None, :]
+        w_gate = tl.load(w_base + cols[:, None].to(tl.int64) * stride_wn + ks[None, :], mask=w_mask, other=0.0)
+        w_up = tl.load(w_base + (cols + inter)[:, None].to(tl.int64) * stride_wn + ks[None, :], mask=w_mask,
+                       other=0.0)
+        acc_gate += w_gate.to(tl.float32) * xv[None, :]
+        acc_up += w_up.to(tl.float32) * xv[None, :]
+    gate = tl.sum(acc_gate, axis=1)
+    out = gate / (1.0 + tl.exp(-gate)) * tl.sum(acc_up, axis=1)
+    tl.store(act + slot.to(tl.int64) * inter + cols, out.to(act.dtype.element_ty), mask=cols < inter)
+
+
+@triton.jit(do_not_specialize=["first_expert"])
+def _down_small_kernel(act, w2, out, topk_ids, topk_weights, first_expert, num_local, hidden, inter, stride_we,
+                       stride_wn, stride_ot, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Small batches: one program per (token, output tile), the token's k experts summed in k order (float32)."""
+    token = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_in = cols < hidden
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        slot = token * TOP_K + j
+        expert = tl.load(topk_ids + slot).to(tl.int32) - first_expert
+        local = (expert >= 0) & (expert < num_local)
+        weight = tl.load(topk_weights + slot)
+        w_base = w2 + tl.where(local, expert, 0).to(tl.int64) * stride_we
+        col_mask = col_in & local
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_mask = ks < inter
+            a = tl.load(act + slot * inter + ks, mask=k_mask & local, other=0.0).to(tl.float32)
+            w = tl.load(w_base + cols[:, None].to(tl.int64) * stride_wn + ks[None, :],
+                        mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+            acc += w.to(tl.float32) * a[None, :]
+        total += tl.sum(acc, axis=1) * weight
+    tl.store(out + token * stride_ot + cols, total.to(out.dtype.element_ty), mask=col_in)
+
+
+# Steps of at most this many tokens take the GEMV-style kernels (no sort: ~10 fewer launches a layer). A
+# CUDA-graph batch size (executor/cuda_graphs.py), so a decode batch and its padded graph take the same path.
+SMALL_MOE_MAX_TOKENS = 16
+SMALL_BLOCKS = ((32, 128), (16, 128))  # (BLOCK_N, BLOCK_K) of the gate_up and down GEMVs
+
+
+def _fused_moe_small(x, w13, w2, topk_weights, topk_ids, first_expert, out_dtype):
+    num_tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    num_local, inter2, _ = w13.shape
+    inter = inter2 // 2
+    ids = topk_ids.to(torch.int32).contiguous()
+    weights = topk_weights.float().contiguous()
+    act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
+    (gate_n, gate_k), (down_n, down_k) = SMALL_BLOCKS
+    _gate_up_small_kernel[(num_tokens * top_k, triton.cdiv(inter, gate_n))](
+        x, w13, act, ids, num_tokens * top_k, first_expert, num_local, inter, hidden, x.stride(0), w13.stride(0),
+        w13.stride(1), TOP_K=top_k, BLOCK_N=gate_n, BLOCK_K=gate_k, num_warps=4)
+    out = torch.empty(num_tokens, hidden, dtype=out_dtype, device=x.device)
+    _down_small_kernel[(num_tokens, triton.cdiv(hidden, down_n))](
+        act, w2, out, ids, weights, first_expert, num_local, hidden, inter, w2.stride(0), w2.stride(1), out.stride(0),
+        TOP_K=top_k, BLOCK_N=down_n, BLOCK_K=down_k, num_warps=4)
+    return out
+
+
 def block_config(num_slots: int, num_local: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K) from the average slots per local expert. Small decode batches (a few rows per
     expert: the weights are the traffic) take narrow, deep tiles, twice the programs streaming weights."""
@@ -100,10 +185,11 @@ def block_config(num_slots: int, num_local: int) -> tuple[int, int, int]:
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, first_expert: int = 0, out_dtype: torch.dtype | None = None,
-              config: tuple[int, int, int] | None = None) -> torch.Tensor:
+              config: tuple[int, int, int] | None = None, small: bool | None = None) -> torch.Tensor:
     """x [T, H]; w13 [E_local, 2I, H]; w2 [E_local, H, I]; topk_weights [T, k] float32; topk_ids [T, k] (global
     expert ids; this rank holds first_expert ..) -> [T, H] in `out_dtype` (None: x's dtype). `config`: tiles
-    (BLOCK_M, BLOCK_N, BLOCK_K) instead of `block_config`'s (benches)."""
+    (BLOCK_M, BLOCK_N, BLOCK_K) instead of `block_config`'s; `small`: force the GEMV-style path on or off
+    (None: T <= SMALL_MOE_MAX_TOKENS) (tests, benches)."""
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_local, inter2, w_hidden = w13.shape
@@ -115,6 +201,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if num_tokens == 0:
         return torch.zeros(0, hidden, dtype=out_dtype, device=x.device)
     x = x.contiguous()
+    if small if small is not None else (num_tokens <= SMALL_MOE_MAX_TOKENS and config is None):
+        return _fused_moe_small(x, w13, w2, topk_weights, topk_ids, first_expert, out_dtype)
     num_slots = num_tokens * top_k
     block_m, block_n, block_k = config or block_config(num_slots, num_local)
     align = moe_align(topk_ids, num_local, block_m, first_expert)
@@ -140,7 +228,7 @@ def warm_up(w13: torch.Tensor, w2: torch.Tensor, top_k: int, max_tokens: int) ->
     seen = set()
     tokens = 1
     while tokens <= max(max_tokens, 1):
-        config = block_config(tokens * top_k, num_local)
+        config = "small" if tokens <= SMALL_MOE_MAX_TOKENS else block_config(tokens * top_k, num_local)
         if config not in seen:
             seen.add(config)
             x = torch.zeros(tokens, hidden, dtype=w13.dtype, device=w13.device)

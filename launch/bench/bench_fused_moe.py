@@ -14,7 +14,8 @@ alone (moe_tp_split=experts: rank r's E/tp whole experts on the global routing; 
 with I/tp features), and the slowest rank's time is printed for each split: the step waits for it. The
 default `moe_tp_split` follows this table.
 
-`--sweep` times every (BLOCK_M, BLOCK_N, BLOCK_K) of a small grid per batch against `block_config`'s pick.
+`--sweep` times every grouped-GEMM tile (BLOCK_M, BLOCK_N, BLOCK_K) of a small grid per batch against the
+default path (below SMALL_MOE_MAX_TOKENS the GEMV-style kernels): where to put that threshold and the tiles.
 
 Run: `python launch/bench/bench_fused_moe.py [--batches 1 4 16 64 256 1024 4096] [--tp-sim] [--sweep]`
 """
@@ -127,14 +128,15 @@ def main() -> None:
                   f"{touched * expert_bytes / fused / 1e3:>7.0f} {flops / fused / 1e6:>8.1f} "
                   f"{floor_us / fused:>8.2f} {err:>8.1e}")
     if args.sweep:
-        print("\ntile sweep, uniform routing: µs per layer of block_config's pick and of the best tiles")
+        print("\ntile sweep, uniform routing: µs per layer of the default path (the GEMV-style kernels up to "
+              "SMALL_MOE_MAX_TOKENS tokens, else block_config's tiles) and of the best grouped tiles")
         for tokens in args.batches:
             x = torch.randn(tokens, HIDDEN, generator=gen).to(device, torch.bfloat16)
             weights, ids = moe_route(logits_for("uniform", tokens, gen, device), TOP_K, True)
             times = {c: layer_us(x, w13s, w2s, weights, ids, config=c) for c in SWEEP}
             best = min(times, key=times.get)
-            print(f"{tokens:>6}: block_config {block_config(tokens * TOP_K, EXPERTS)} "
-                  f"{layer_us(x, w13s, w2s, weights, ids):.1f} us; best {best} {times[best]:.1f} us")
+            print(f"{tokens:>6}: default (block_config {block_config(tokens * TOP_K, EXPERTS)}) "
+                  f"{layer_us(x, w13s, w2s, weights, ids):.1f} us; best grouped {best} {times[best]:.1f} us")
     if args.tp_sim:
         print("\nslowest rank's µs per layer (uniform routing)")
         print(f"{'tokens':>6} {'tp':>3} {'experts':>9} {'intermediate':>12}")

@@ -72,13 +72,17 @@ def test_fused_moe_matches_reference(tokens, hidden, inter, experts, top_k, dtyp
     weights, ids = moe_route_reference(routing(skew, tokens, experts, top_k, gen), top_k, True)
     weights, ids = weights.to(DEVICE), ids.to(DEVICE)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    out = fused_moe(x, w13, w2, weights, ids)
-    torch.testing.assert_close(out.float(), fused_moe_reference(x, w13, w2, weights, ids).float(), atol=tol, rtol=tol)
+    ref = fused_moe_reference(x, w13, w2, weights, ids).float()
+    paths = (True, False) if tokens <= 3 else (False,)  # GEMV-style kernels (one interpreted program a slot), grouped
+    for small in paths:
+        out = fused_moe(x, w13, w2, weights, ids, small=small)
+        torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
     # a rank holding only experts [2, 4) (moe_tp_split=experts): the others add nothing; float32 out for the sum
-    part = fused_moe(x, w13[2:4], w2[2:4], weights, ids, first_expert=2, out_dtype=torch.float32)
-    assert part.dtype == torch.float32
-    ref = fused_moe_reference(x, w13[2:4], w2[2:4], weights, ids, first_expert=2, out_dtype=torch.float32)
-    torch.testing.assert_close(part, ref, atol=tol, rtol=tol)
+    part_ref = fused_moe_reference(x, w13[2:4], w2[2:4], weights, ids, first_expert=2, out_dtype=torch.float32)
+    for small in paths:
+        part = fused_moe(x, w13[2:4], w2[2:4], weights, ids, first_expert=2, out_dtype=torch.float32, small=small)
+        assert part.dtype == torch.float32
+        torch.testing.assert_close(part, part_ref, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("tokens", [gpu_case(n) for n in (1, 7, 64, 512, 4096)])
@@ -101,7 +105,7 @@ def test_warm_up_runs_each_tile_configuration_once():
     from spmd_engine.kernels.fused_moe import warm_up
 
     w13, w2 = torch.zeros(4, 32, 16, device=DEVICE), torch.zeros(4, 16, 16, device=DEVICE)
-    assert warm_up(w13, w2, top_k=2, max_tokens=64) == 3  # narrow tiles to 8 tokens, 16-row blocks, 32-row at 64
+    assert warm_up(w13, w2, top_k=2, max_tokens=64) == 3  # the small path to 16 tokens, 16-row blocks, 32-row at 64
 
 
 def test_align_buffers_hold_the_worst_case():
