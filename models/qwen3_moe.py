@@ -110,10 +110,14 @@ class Qwen3MoeSparseBlock(nn.Module):
         warm_up(w13, w2, self.top_k, max_tokens)
         _WARMED.add(key)
 
+    def use_kernels(self, x: torch.Tensor) -> bool:
+        """The Triton kernels (CUDA), else the torch reference (CPU)."""
+        return x.is_cuda and _triton_available()
+
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [T, H] -> (routing weights [T, k] float32, expert ids [T, k] int32)."""
         logits = self.gate(hidden)
-        if logits.is_cuda and _triton_available():
+        if self.use_kernels(logits):
             from spmd_engine.kernels.moe_route import moe_route
 
             return moe_route(logits, self.top_k, self.renormalize)
@@ -127,7 +131,7 @@ class Qwen3MoeSparseBlock(nn.Module):
         # several ranks with float32 sums: the partial outputs stay float32 through the all-reduce (RowParallelLinear)
         fp32_sum = self.tp.world_size > 1 and self.tp.reduce_dtype is not None and hidden.dtype != torch.float32
         out_dtype = torch.float32 if fp32_sum else hidden.dtype
-        if hidden.is_cuda and _triton_available():
+        if self.use_kernels(hidden):
             from spmd_engine.kernels.fused_moe import fused_moe
 
             out = fused_moe(hidden, experts.w13, experts.w2, weights, ids, experts.first_expert, out_dtype)

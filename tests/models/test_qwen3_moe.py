@@ -125,3 +125,33 @@ def test_bench_floor_counts_the_experts_a_step_touches():
     assert work["expert_bytes_read"] == pytest.approx(2 * (2 * touched(2) + 2 * touched(1)))
     assert work["batch1_expert_bytes"] == pytest.approx(2 * 2 * expert)  # k = 2 experts per layer
     assert work["min_decode_steps"] == 4
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # triton interpreter noise
+@pytest.mark.parametrize("split", ["experts", "intermediate"])
+def test_the_kernel_path_of_a_loaded_block_matches_its_reference_path(tmp_path, monkeypatch, split):
+    """The layer as the GPU runs it (Triton route + fused experts, interpreted on CPU) on a rank's loaded shard:
+    the stacked weights are laid out as the kernels read them. 3 tokens: the GEMV-style path; 20: grouped."""
+    from spmd_engine.models.loader import WeightTarget, load_into, stream_safetensors
+
+    path = make_tiny_checkpoint(tmp_path, arch="qwen3_moe", tokenizer=False, num_layers=1,
+                                moe=dict(num_experts=4, num_experts_per_tok=2, norm_topk_prob=False))
+    config = json.loads((path / "config.json").read_text())
+    model = build_model(config, TensorParallel.single())  # its checkpoint name -> parameter mapping
+    # rank 1's shard of a 2-rank group (this process reaches no collective: all_reduce patched out)
+    block = Qwen3MoeSparseBlock(ModelShape.from_hf_config({**config, "moe_tp_split": split}),
+                                TensorParallel(rank=1, world_size=2))
+    params = dict(block.named_parameters())
+    for name, tensor in stream_safetensors([path / "model.safetensors"]):
+        if name.startswith("model.layers.0.mlp."):
+            target, shard = model.checkpoint_to_parameter(name)
+            load_into(WeightTarget(name, params[target.removeprefix("model.layers.0.mlp.")], shard), tensor)
+    monkeypatch.setattr(TensorParallel, "all_reduce", lambda self, x: x)
+    for tokens in (3, 20):
+        hidden = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(tokens))
+        reference = block(hidden)
+        with monkeypatch.context() as patch:
+            patch.setattr(Qwen3MoeSparseBlock, "use_kernels", lambda self, x: True)
+            kernels = block(hidden)
+        assert reference.abs().max() > 0
+        torch.testing.assert_close(kernels, reference, atol=1e-5, rtol=1e-5)
