@@ -155,3 +155,24 @@ def test_the_kernel_path_of_a_loaded_block_matches_its_reference_path(tmp_path, 
             kernels = block(hidden)
         assert reference.abs().max() > 0
         torch.testing.assert_close(kernels, reference, atol=1e-5, rtol=1e-5)
+
+
+CONF = Path(__file__).resolve().parents[2] / "conf" / "model"
+
+
+@pytest.mark.parametrize("group,total_b,active_b", [("qwen3_moe", 30.5, 3.3), ("qwen3_moe_235b", 235.1, 22.2)])
+def test_config_groups_have_the_published_sizes_and_split_over_8_ranks(group, total_b, active_b):
+    import yaml
+
+    config = yaml.safe_load((CONF / f"{group}.yaml").read_text())["hf_config"]
+    with torch.device("meta"):
+        model = build_model(config, TensorParallel.single())
+    total = sum(p.numel() for p in model.parameters())
+    moe = model.shape.moe
+    expert = 3 * model.shape.hidden_size * moe.intermediate_size
+    active = total - model.shape.num_layers * (moe.num_experts - moe.top_k) * expert  # as published: embedding in
+    assert total / 1e9 == pytest.approx(total_b, rel=0.01)
+    assert active / 1e9 == pytest.approx(active_b, rel=0.05)
+    for split in ("experts", "intermediate"):
+        for tp in (2, 4, 8):
+            ModelShape.from_hf_config({**config, "moe_tp_split": split}).validate_tensor_parallel(tp)
