@@ -126,6 +126,8 @@ def bench_report(llm, works: list[dict], engine_run: dict, wall_s: float, output
         # one decode step at batch 1 (no KV): the ITL floor of a single sequence
         report["batch1_step_floor_ms"] = 1e3 * (works[0]["weight_bytes_per_rank"]
                                                 + works[0].get("batch1_expert_bytes", 0)) / rates["copy_bytes_per_s"]
+        log.info("bench: a batch-1 decode step's floor is %.3f ms (weights it reads, no KV)",
+                 report["batch1_step_floor_ms"])
         log.info("bench: %.3f s wall vs %.3f s floor (%.1f%% of the floor; copy %.2f TB/s, matmul %.0f TFLOP/s)",
                  wall_s, floor, 100 * report["fraction_of_floor"], rates["copy_bytes_per_s"] / 1e12,
                  rates["matmul_flop_per_s"] / 1e12)
