@@ -180,7 +180,7 @@ def block_config(num_slots: int, num_local: int) -> tuple[int, int, int]:
     expert: the weights are the traffic) take narrow, deep tiles, twice the programs streaming weights."""
     per_expert = num_slots / max(num_local, 1)
     if per_expert <= 4:
-        return 16, 32, 128
+        return 16, 32, 64
     block_m = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
     return block_m, 64, 64
 
