@@ -177,7 +177,7 @@ def _fused_moe_small(x, w13, w2, topk_weights, topk_ids, first_expert, out_dtype
 
 def block_config(num_slots: int, num_local: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K) from the average slots per local expert. Small decode batches (a few rows per
-    expert: the weights are the traffic) take narrow, deep tiles, twice the programs streaming weights."""
+    expert: the weights are the traffic) take narrow tiles, twice the programs streaming weights."""
     per_expert = num_slots / max(num_local, 1)
     if per_expert <= 4:
         return 16, 32, 64
