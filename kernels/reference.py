@@ -288,3 +288,36 @@ def apply_token_bitmask_reference(logits: torch.Tensor, mask: torch.Tensor, rows
     picked = logits.index_select(0, index)
     picked[:, :width].masked_fill_(bits == 0, float("-inf"))
     return logits.index_copy_(0, index, picked)
+
+
+def moe_route_reference(router_logits: torch.Tensor, top_k: int, renormalize: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax (float32) over the experts, the k largest, optionally renormalised to sum to 1 ->
+    (weights [T, k] float32, expert ids [T, k] int32), as HF's Qwen3-MoE router (`kernels/moe_route.py`)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor, first_expert: int = 0, out_dtype: torch.dtype | None = None
+                        ) -> torch.Tensor:
+    """sum_k weight_k * down_e(silu(gate_e(x)) * up_e(x)) over each token's k experts e = topk_ids[t, k] (global
+    ids), for the experts this rank holds: w13 [E_local, 2I, H] (gate rows | up rows), w2 [E_local, H, I] are
+    experts first_expert .. first_expert + E_local - 1; other experts add nothing. The activation is rounded to
+    x's dtype (as a separate silu_and_mul would), the products and the weighted sum over k stay float32, rounded
+    once to `out_dtype` (None: x's dtype). The CPU path of the MoE layer and the oracle of `kernels/fused_moe.py`."""
+    num_tokens, hidden = x.shape
+    local = w13.shape[0]
+    inter = w13.shape[1] // 2
+    out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
+    ids = topk_ids.long() - first_expert
+    for e in torch.unique(ids[(ids >= 0) & (ids < local)]).tolist():
+        token, slot = torch.nonzero(ids == e, as_tuple=True)
+        h = torch.nn.functional.linear(x[token].float(), w13[e].float())
+        act = (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]).to(x.dtype)
+        y = torch.nn.functional.linear(act.float(), w2[e].float())
+        out.index_add_(0, token, y * topk_weights[token, slot].float()[:, None])
+    return out.to(out_dtype or x.dtype)

@@ -6,6 +6,8 @@ q/k/v (packed into qkv_proj) and gate/up (packed into gate_up_proj).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -102,12 +104,12 @@ class LlamaDecoderLayer(nn.Module):
     """x + attn(norm(x)), then + mlp(norm(.)); the residual adds are fused into the next norm."""
 
     def __init__(self, shape: ModelShape, tp: TensorParallel, backend: str, attention_cls: type[LlamaAttention],
-                 window: int = 0):
+                 window: int = 0, mlp: nn.Module | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.self_attn = attention_cls(shape, tp, backend, window=window)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.mlp = LlamaMLP(shape, tp)
+        self.mlp = mlp if mlp is not None else LlamaMLP(shape, tp)  # `mlp`: another feed-forward (an MoE block)
 
     def before_attention(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos_sin: CosSin,
                          attn: AttentionMetadata
@@ -140,12 +142,14 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, the decoder layers, the final norm (HF's `model.` prefix)."""
 
-    def __init__(self, shape: ModelShape, tp: TensorParallel, backend: str, attention_cls: type[LlamaAttention]):
+    def __init__(self, shape: ModelShape, tp: TensorParallel, backend: str, attention_cls: type[LlamaAttention],
+                 make_mlp: Callable[[int], nn.Module | None] | None = None):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(shape.vocab_size, shape.hidden_size, tp)
         self.rotary_emb = RotaryEmbedding(shape.head_dim, shape.max_position_embeddings, shape.rope)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(shape, tp, backend, attention_cls, window=shape.window(i))
+        self.layers = nn.ModuleList(  # make_mlp(i): layer i's feed-forward; None (or no make_mlp): LlamaMLP
+            LlamaDecoderLayer(shape, tp, backend, attention_cls, window=shape.window(i),
+                              mlp=make_mlp(i) if make_mlp else None)
             for i in range(shape.num_layers)
         )
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
@@ -176,9 +180,13 @@ class LlamaForCausalLM(CausalLM):
     def __init__(self, shape: ModelShape, tp: TensorParallel, attention_backend: str = "torch") -> None:
         super().__init__()
         self.shape, self.tp = shape, tp
-        self.model = LlamaModel(shape, tp, attention_backend, self.attention_cls)
+        self.model = LlamaModel(shape, tp, attention_backend, self.attention_cls, make_mlp=self.make_mlp)
         tied_to = self.model.embed_tokens if shape.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(shape.vocab_size, shape.hidden_size, tp, tied_to=tied_to)
+
+    def make_mlp(self, layer: int) -> nn.Module | None:
+        """Hook: decoder layer `layer`'s feed-forward module; None: the dense LlamaMLP."""
+        return None
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         s = self.shape

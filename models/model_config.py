@@ -9,9 +9,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spmd_engine.models.layers.rope_config import RopeConfig
+from spmd_engine.models.moe_shape import MoeShape
 
 _ARCHITECTURE_BY_MODEL_TYPE = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                               "mistral": "MistralForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+                               "mistral": "MistralForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                               "qwen3_moe": "Qwen3MoeForCausalLM"}
 SLIDING, FULL = "sliding_attention", "full_attention"  # HF's `layer_types` entries
 
 
@@ -88,6 +90,7 @@ class ModelShape:
     query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (Gemma); None: head_dim
     final_logit_softcapping: float | None = None  # logits = c * tanh(logits / c)
     attn_logit_softcapping: float | None = None
+    moe: MoeShape | None = None  # sparse-MoE layers (models/moe_shape.py); None: dense
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> ModelShape:
@@ -124,6 +127,7 @@ class ModelShape:
             query_pre_attn_scalar=float(scalar) if scalar is not None else None,
             final_logit_softcapping=config.get("final_logit_softcapping"),
             attn_logit_softcapping=config.get("attn_logit_softcapping"),
+            moe=MoeShape.from_hf_config(config),
         )
 
     def window(self, layer: int) -> int:
@@ -150,6 +154,8 @@ class ModelShape:
         if self.intermediate_size % tp_size:
             raise ValueError(f"tensor_parallel_size={tp_size} must divide the model's "
                              f"intermediate_size={self.intermediate_size}")
+        if self.moe is not None:
+            self.moe.validate_tensor_parallel(tp_size)
 
     def kv_heads_per_rank(self, tp_size: int) -> int:
         """KV heads each rank stores (1 when KV heads are replicated across ranks)."""

@@ -10,8 +10,10 @@ from spmd_engine.models.causal_lm import CausalLM
 from spmd_engine.models.gemma3 import Gemma3ForCausalLM
 from spmd_engine.models.llama import LlamaForCausalLM
 from spmd_engine.models.model_config import ModelShape
+from spmd_engine.models.moe_shape import MOE_TP_SPLIT_KEY
 from spmd_engine.models.parallel import TensorParallel
 from spmd_engine.models.qwen3 import Qwen3ForCausalLM
+from spmd_engine.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -19,10 +21,16 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,  # q/k/v biases (ModelShape.qkv_bias), no q/k norm
     "MistralForCausalLM": LlamaForCausalLM,  # a sliding window on every layer where `sliding_window` is set
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 
-def build_model(hf_config: dict[str, Any], tp: TensorParallel, attention_backend: str = "torch") -> CausalLM:
+def build_model(hf_config: dict[str, Any], tp: TensorParallel, attention_backend: str = "torch",
+                moe_tp_split: str | None = None) -> CausalLM:
+    """`moe_tp_split`: experts | intermediate for an MoE model (models/moe_shape.py); None: the config's or
+    the default."""
+    if moe_tp_split is not None:
+        hf_config = {**hf_config, MOE_TP_SPLIT_KEY: moe_tp_split}
     shape = ModelShape.from_hf_config(hf_config)
     model_cls = MODEL_CLASSES.get(shape.architecture)
     if model_cls is None:

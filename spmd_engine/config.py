@@ -104,6 +104,8 @@ class EngineConfig:
     # auto | nccl | symm_mem: how those all-reduces run; symm_mem = torch symmetric memory one-shot kernels
     # (small messages, CUDA graphs; NCCL above its buffer), auto = symm_mem where the GPUs can map each other
     tp_allreduce: str = "nccl"  # auto (symm_mem where it runs) becomes the default once measured on 2 GPUs
+    # experts | intermediate: how an MoE model's experts split over tensor-parallel ranks (models/moe_shape.py)
+    moe_tp_split: str = "experts"
     seed: int = 0
     tensor_parallel_size: int | None = None  # ranks per replica; None: derived from the world size
     data_parallel_size: int | None = None  # replicas of tensor_parallel_size ranks each; None: derived
@@ -147,6 +149,8 @@ class EngineConfig:
                f"tp_reduce_dtype must be one of float32|model, got {self.tp_reduce_dtype!r}")
         _check(self.tp_allreduce in ("auto", "nccl", "symm_mem"),
                f"tp_allreduce must be one of auto|nccl|symm_mem, got {self.tp_allreduce!r}")
+        _check(self.moe_tp_split in ("experts", "intermediate"),
+               f"moe_tp_split must be one of experts|intermediate, got {self.moe_tp_split!r}")
         _check(self.model.load_format in ("auto", "dummy"),
                f"model.load_format must be auto or dummy, got {self.model.load_format!r}")
         self.parallel_sizes(world_size)

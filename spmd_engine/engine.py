@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from spmd_engine.models.model_config import ModelShape
+from spmd_engine.models.moe_shape import MOE_TP_SPLIT_KEY
 from spmd_engine.config import ConfigError, EngineConfig
 from spmd_engine.core.plan import COMMAND_STOP
 from spmd_engine.core.requests import PolledRequests, PromptRequest, RequestOutput
@@ -185,7 +186,7 @@ class Engine:
         try:
             with torch.device(self.device):
                 # agreed: an unsupported architecture / activation / sliding window fails every rank alike
-                model = agreed(lambda: build_model(self.source.hf_config, tp, backend))
+                model = agreed(lambda: build_model(self.source.hf_config, tp, backend, moe_tp_split=cfg.moe_tp_split))
         finally:
             torch.set_default_dtype(previous_dtype)
         self.weight_aliases: dict[str, str] | None = None  # the head loaded from the embedding (update_weights)
@@ -238,7 +239,7 @@ class Engine:
         return usable(self.device)
 
     def _checked_shape(self) -> ModelShape:
-        shape = ModelShape.from_hf_config(self.source.hf_config)
+        shape = ModelShape.from_hf_config({**self.source.hf_config, MOE_TP_SPLIT_KEY: self.cfg.moe_tp_split})
         shape.validate_tensor_parallel(self.replica.tp_size)
         return shape
 

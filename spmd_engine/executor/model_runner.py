@@ -221,6 +221,10 @@ class ModelRunner:
         into the first few blocks, which a sequence reads only after writing them itself (on CPU too, so
         the HF parity tests check that)."""
         s = self.settings
+        if self.device.type == "cuda":  # kernels with per-size tile configurations (MoE experts) compile them all
+            for module in self.model.modules():
+                if hasattr(module, "warm_up_kernels"):
+                    module.warm_up_kernels(s.max_num_batched_tokens)
         prompt_blocks = -(-3 // s.block_size)  # a 3-token prompt chunk; the decode row has block_size + 1 tokens
         if (self.num_blocks < 2 + prompt_blocks or s.max_num_seqs < 2 or s.max_num_batched_tokens < 4
                 or s.max_model_len < max(3, s.block_size + 1)):

@@ -3,6 +3,11 @@
 floor = (matmul + LM-head weights read once per decode step (the longest output's length - 1) + every
 sequence's KV context read at each of its decode steps) / measured copy bandwidth + prefill FLOPs /
 measured matmul rate, all per rank; with data-parallel replicas, the largest replica's floor.
+
+MoE layers add the bytes of the experts a decode step touches: with B sequences in the step (all decoding
+together, fewer as outputs end) each layer touches, in expectation under uniform routing, E_local x
+(1 - (1 - k/E)^B) of its rank's experts (k per token at batch 1: the active parameters); their prefill FLOPs
+count the k experts per token only.
 """
 from __future__ import annotations
 
@@ -80,13 +85,29 @@ def bench_work(llm, outputs) -> dict:
     # the fewest decode steps any schedule needs: the longest output, every sequence decoding together
     decode_steps = max((len(o.token_ids) - 1 for o in ok), default=0)
     weight_bytes = weights["matmul"] + weights["lm_head"]  # what one decode step reads (not the embedding)
-    return {"weight_bytes_per_rank": weight_bytes, "kv_bytes_read": kv_bytes, "prefill_flops": prefill_flops,
+    work = {"weight_bytes_per_rank": weight_bytes, "kv_bytes_read": kv_bytes, "prefill_flops": prefill_flops,
             "min_decode_steps": decode_steps}
+    blocks = _moe_blocks(llm.model)
+    if blocks:
+        # decode step j runs every sequence whose output is still growing: those with more than j + 1 tokens
+        lengths = sorted(len(o.token_ids) for o in ok)
+        batches = [sum(1 for n in lengths if n - 1 > j) for j in range(decode_steps)]
+        work["expert_bytes_read"] = sum(b.touched_bytes(batch) for b in blocks for batch in batches)
+        work["batch1_expert_bytes"] = sum(b.touched_bytes(1) for b in blocks)
+        work["prefill_flops"] += 2 * sum(b.active_params_per_token() for b in blocks) * sum(
+            len(o.prompt_token_ids) for o in ok if not o.sample_index)
+    return work
+
+
+def _moe_blocks(model: torch.nn.Module) -> list:
+    """The model's MoE blocks (they tell the bytes of the experts a step touches)."""
+    return [m for m in model.modules() if hasattr(m, "touched_bytes") and hasattr(m, "active_params_per_token")]
 
 
 def _floor_s(work: dict, rates: dict) -> float:
-    return (work["weight_bytes_per_rank"] * work["min_decode_steps"] + work["kv_bytes_read"]) \
-        / rates["copy_bytes_per_s"] + work["prefill_flops"] / rates["matmul_flop_per_s"]
+    return (work["weight_bytes_per_rank"] * work["min_decode_steps"] + work["kv_bytes_read"]
+            + work.get("expert_bytes_read", 0)) / rates["copy_bytes_per_s"] \
+        + work["prefill_flops"] / rates["matmul_flop_per_s"]
 
 
 def bench_report(llm, works: list[dict], engine_run: dict, wall_s: float, output_tokens: int,
@@ -102,6 +123,8 @@ def bench_report(llm, works: list[dict], engine_run: dict, wall_s: float, output
         "kv_bytes_read": sum(w["kv_bytes_read"] for w in works),
         "prefill_flops": sum(w["prefill_flops"] for w in works),
         "min_decode_steps": max(w["min_decode_steps"] for w in works),
+        **({"expert_bytes_read": sum(w.get("expert_bytes_read", 0) for w in works)}
+           if "expert_bytes_read" in works[0] else {}),
         "per_replica": [{"replica": r, **w} for r, w in enumerate(works)]}
     per_s = output_tokens / wall_s if wall_s > 0 else 0.0
     report.update({"world_size": world_size, "output_tokens_per_s": per_s,
@@ -119,6 +142,11 @@ def bench_report(llm, works: list[dict], engine_run: dict, wall_s: float, output
         report.update(rates)
         report["floor_s"] = floor
         report["fraction_of_floor"] = floor / wall_s if wall_s > 0 else 0.0
+        # one decode step at batch 1 (no KV): the ITL floor of a single sequence
+        report["batch1_step_floor_ms"] = 1e3 * (works[0]["weight_bytes_per_rank"]
+                                                + works[0].get("batch1_expert_bytes", 0)) / rates["copy_bytes_per_s"]
+        log.info("bench: a batch-1 decode step's floor is %.3f ms (weights it reads, no KV)",
+                 report["batch1_step_floor_ms"])
         log.info("bench: %.3f s wall vs %.3f s floor (%.1f%% of the floor; copy %.2f TB/s, matmul %.0f TFLOP/s)",
                  wall_s, floor, 100 * report["fraction_of_floor"], rates["copy_bytes_per_s"] / 1e12,
                  rates["matmul_flop_per_s"] / 1e12)

@@ -29,6 +29,8 @@ TINY_QWEN3 = ["model.hf_config.num_hidden_layers=2", "model.hf_config.hidden_siz
               "model.hf_config.intermediate_size=128", "model.hf_config.num_attention_heads=4",
               "model.hf_config.num_key_value_heads=2", "model.hf_config.head_dim=16",
               "model.hf_config.vocab_size=1024", "max_model_len=256", "num_kv_blocks=64"]
+TINY_MOE = [*TINY_QWEN3, "model.hf_config.moe_intermediate_size=32", "model.hf_config.num_experts=8",
+            "model.hf_config.num_experts_per_tok=2"]
 TINY_BENCH = ["workload.num_seqs=3", "workload.min_input_len=4", "workload.max_input_len=24",
               "workload.min_output_len=2", "workload.max_output_len=4", "workload.token_id_max=1000"]
 PLACEHOLDER_CKPT = "/ckpt/Qwen3-0.6B"
@@ -119,6 +121,7 @@ COMMANDS: dict[str, Run | Skip | Report] = {
     "python run.py prompts_file=requests.jsonl": Run(completed(2), FEW_TOKENS, {"requests.jsonl": REQUESTS_JSONL}),
     f"python run.py model=qwen3 model.path={PLACEHOLDER_CKPT}": Run(completed(4), [*FEW_TOKENS, "num_kv_blocks=64"]),
     "python run.py model=qwen3 model.load_format=dummy workload=bench": Run(bench_ran, [*TINY_QWEN3, *TINY_BENCH]),
+    "python run.py model=qwen3_moe model.load_format=dummy workload=bench": Run(bench_ran, [*TINY_MOE, *TINY_BENCH]),
     "torchrun --nproc_per_node=2 run.py model=qwen3 model.load_format=dummy":
         Run(token_prompts_on_two_ranks, [*TINY_QWEN3, *FEW_TOKENS]),
     "torchrun --nproc_per_node=2 run.py model=qwen3 model.load_format=dummy data_parallel_size=2":

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-ARCHS = {"qwen3": "Qwen3Config", "llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig",
-         "gemma3": "Gemma3TextConfig"}
+ARCHS = {"qwen3": "Qwen3Config", "llama": "LlamaConfig", "qwen3_moe": "Qwen3MoeConfig", "qwen2": "Qwen2Config",
+         "mistral": "MistralConfig", "gemma3": "Gemma3TextConfig"}
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<|bos|>", "<|eos|>", "<|pad|>"
 TINY_CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
@@ -41,6 +41,7 @@ def make_tiny_checkpoint(
     dtype: torch.dtype = torch.float32,
     tokenizer: bool = True,
     extra_config: dict[str, Any] | None = None,
+    moe: dict[str, Any] | None = None,
 ) -> Path:
     """Write a random `arch` (one of ARCHS) checkpoint into `tmp_dir` and return the path.
 
@@ -50,6 +51,8 @@ def make_tiny_checkpoint(
     `rope_scaling` is an HF rope dict without rope_theta, e.g. {"rope_type": "yarn", "factor": 4.0,
     "original_max_position_embeddings": 16}. With `tokenizer`, token ids 0/1/2 are bos/eos/pad and
     id 3 + b is byte b (so vocab_size must be >= 259); eos_token_id is 1 either way.
+    arch "qwen3_moe": `moe` holds the Qwen3MoeConfig keys (num_experts, num_experts_per_tok,
+    moe_intermediate_size, norm_topk_prob, decoder_sparse_step, mlp_only_layers); defaults below.
     """
     import transformers
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -79,6 +82,8 @@ def make_tiny_checkpoint(
                       layer_types=["full_attention"] * num_layers)
         common.pop("rope_parameters")
         common.update(rope_theta=rope_theta)
+    if arch == "qwen3_moe":
+        common.update({**MOE_DEFAULTS, **(moe or {})})
     common.update(extra_config or {})
     config = getattr(transformers, ARCHS[arch])(**common)
     torch.manual_seed(seed)
@@ -92,6 +97,10 @@ def make_tiny_checkpoint(
     if tokenizer:
         _save_byte_tokenizer(path, vocab_size)
     return path
+
+
+MOE_DEFAULTS: dict[str, Any] = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
 
 
 def _save_byte_tokenizer(path: Path, vocab_size: int) -> None:

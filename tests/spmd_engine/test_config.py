@@ -26,6 +26,7 @@ def base(**over):
     ("data_parallel_size", 0, "data_parallel_size must be >= 1 or null, got 0"),
     ("tp_reduce_dtype", "bfloat16", "tp_reduce_dtype must be one of float32|model, got 'bfloat16'"),
     ("tp_allreduce", "custom_ar", "tp_allreduce must be one of auto|nccl|symm_mem, got 'custom_ar'"),
+    ("moe_tp_split", "rows", "moe_tp_split must be one of experts|intermediate, got 'rows'"),
 ])
 def test_bad_engine_keys_name_the_key_and_limit(key, value, needle):
     cfg = engine_config_from_dict(base(**{key: value}))
