@@ -271,3 +271,87 @@ def top_k_sample_reference(logits: torch.Tensor, temperatures: torch.Tensor, top
         scores = (z + noise).masked_fill(~keep, float("-inf"))
         tokens.append(int(cols[scores == scores.max()].min()))
     return torch.tensor(tokens, dtype=torch.int64, device=logits.device)
+
+
+# --- FP8 weights and activations (W8A8): kernels/fp8_act_quant.py, fp8_gemv.py, fp8_gemm.py -----------
+# Weights: float8_e4m3fn [N, K] with float32 scales [ceil(N / block_n), ceil(K / block_k)] (one scale per
+# block_n x block_k block; block_n = 1 and block_k >= K: one per output channel). Activations: quantized per
+# token and group of `group` columns (group = K: per token) with power-of-two scales, so dividing by a scale
+# and multiplying by it are exact and every implementation writes the same bytes.
+
+FP8_E4M3_MAX = 448.0
+FP8_ACT_HEADROOM = 256.0  # an activation group's largest magnitude lands in (128, 256] (a power-of-two scale)
+FP8_MIN_AMAX = 2.0**-100  # all-zero groups get a finite scale
+
+
+def fp8_act_scale_reference(amax: torch.Tensor) -> torch.Tensor:
+    """The power-of-two scale of a group whose largest magnitude is `amax` (float32): 2^ceil(log2 amax) / 256."""
+    amax = amax.float().clamp_min(FP8_MIN_AMAX)
+    mantissa, exponent = torch.frexp(amax)
+    power = torch.where(mantissa == 0.5, amax, torch.ldexp(torch.ones_like(amax), exponent))
+    return power / FP8_ACT_HEADROOM
+
+
+def fp8_act_quant_reference(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (float8_e4m3fn [M, K], float32 scales [M, K / group]); x ~= q * scale per group."""
+    m, k = x.shape
+    if k % group:
+        raise ValueError(f"fp8 activation quantization: K={k} is not a multiple of the group {group}")
+    xf = x.float().reshape(m, k // group, group)
+    scale = fp8_act_scale_reference(xf.abs().amax(dim=-1))
+    q = (xf / scale[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(m, k), scale
+
+
+def fp8_expand_scale_reference(scale: torch.Tensor, rows: int, cols: int, block_n: int, block_k: int
+                               ) -> torch.Tensor:
+    """Block scales [ceil(rows / block_n), ceil(cols / block_k)] -> one per element [rows, cols]."""
+    return scale.float().repeat_interleave(block_n, 0)[:rows].repeat_interleave(block_k, 1)[:, :cols]
+
+
+def fp8_dequantize_weight_reference(weight: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int
+                                    ) -> torch.Tensor:
+    """float8_e4m3fn weight [N, K] and its block scales -> float32 [N, K]."""
+    n, k = weight.shape
+    return weight.float() * fp8_expand_scale_reference(scale, n, k, block_n, block_k)
+
+
+def fp8_quantize_weight_reference(weight: torch.Tensor, block_n: int, block_k: int
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 16/32-bit weight [N, K] -> (float8_e4m3fn [N, K], float32 scales [ceil(N / block_n), ceil(K / block_k)]),
+    scale = the block's largest magnitude / 448 (the recipe of block-scaled FP8 checkpoints; block_n = 1 and
+    block_k >= K: per output channel)."""
+    n, k = weight.shape
+    bn, bk = min(block_n, n), min(block_k, k)
+    nb, kb = -(-n // bn), -(-k // bk)
+    padded = torch.zeros(nb * bn, kb * bk, dtype=torch.float32, device=weight.device)
+    padded[:n, :k] = weight.float()
+    amax = padded.view(nb, bn, kb, bk).abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
+    full = fp8_expand_scale_reference(scale, n, k, bn, bk)
+    q = (weight.float() / full).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def fp8_linear_reference(
+    x: torch.Tensor,  # [M, K] (gated: [M, 2K] = gate | up, the input is silu(gate) * up)
+    weight: torch.Tensor,  # float8_e4m3fn [N, K]
+    scale: torch.Tensor,  # float32 [ceil(N / block_n), ceil(K / block_k)]
+    block_n: int,
+    block_k: int,
+    group: int,  # activation columns per scale (K: per token)
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,  # None: x.dtype
+    gated: bool = False,
+) -> torch.Tensor:
+    """The W8A8 matmul: x quantized per (token, group), times the dequantized weight, summed in float32,
+    bias added, rounded once to `out_dtype`. The oracle of the FP8 kernels and the CPU path."""
+    if gated:
+        gate, up = x.chunk(2, dim=-1)
+        x = (torch.nn.functional.silu(gate.float()) * up.float()).to(x.dtype)
+    q, a_scale = fp8_act_quant_reference(x, group)
+    a = q.float() * a_scale.repeat_interleave(group, 1)
+    y = a @ fp8_dequantize_weight_reference(weight, scale, block_n, block_k).t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype or x.dtype)

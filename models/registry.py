@@ -18,7 +18,12 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
 }
 
 
-def build_model(hf_config: dict[str, Any], tp: TensorParallel, attention_backend: str = "torch") -> CausalLM:
+def build_model(hf_config: dict[str, Any], tp: TensorParallel, attention_backend: str = "torch",
+                quantization: str = "auto") -> CausalLM:
+    """`quantization` (auto | fp8 | none, models/layers/fp8_linear.py): fp8 linear layers before any weight loads."""
+    from spmd_engine.models.layers.fp8_linear import quantize_linear_layers, resolve_quantization
+
+    scheme = resolve_quantization(quantization, hf_config)
     shape = ModelShape.from_hf_config(hf_config)
     model_cls = MODEL_CLASSES.get(shape.architecture)
     if model_cls is None:
@@ -29,4 +34,8 @@ def build_model(hf_config: dict[str, Any], tp: TensorParallel, attention_backend
     if hf_config.get("use_sliding_window"):
         raise ValueError("model use_sliding_window must be false: sliding-window attention is not supported")
     shape.validate_tensor_parallel(tp.world_size)
-    return model_cls(shape, tp, attention_backend)
+    model = model_cls(shape, tp, attention_backend)
+    model.fp8_scheme = scheme
+    if scheme is not None:
+        quantize_linear_layers(model, scheme)
+    return model

@@ -185,7 +185,7 @@ class Engine:
         try:
             with torch.device(self.device):
                 # agreed: an unsupported architecture / activation / sliding window fails every rank alike
-                model = agreed(lambda: build_model(self.source.hf_config, tp, backend))
+                model = agreed(lambda: build_model(self.source.hf_config, tp, backend, quantization=cfg.quantization))
         finally:
             torch.set_default_dtype(previous_dtype)
         self.weight_aliases: dict[str, str] | None = None  # the head loaded from the embedding (update_weights)
@@ -200,6 +200,8 @@ class Engine:
         log.info("model %s loaded (%s, %s, attention=%s, tp=%d) in %.1f s", cfg.model.name,
                  self.source.checkpoint_dir or "dummy weights", str(self.dtype).replace("torch.", ""),
                  backend, replica.tp_size, time.perf_counter() - started)
+        if getattr(model, "fp8_scheme", None) is not None:
+            log.info("quantization: %s", model.fp8_scheme.describe())
         return model
 
     def _start_runner(self) -> ModelRunner:
