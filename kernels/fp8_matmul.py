@@ -1,7 +1,8 @@
 """The W8A8 matmul's dispatch: one call, `fp8_linear`, picks the path for the device and the batch.
 
 - CPU: the plain-torch reference (`reference.fp8_linear_reference`: quantized activations times the
-  dequantized weight in float32), so CI runs the same math as the GPU.
+  dequantized weight in float32), so CI runs the same math as the GPU; the dequantized weight is kept
+  between calls (until the weight or its scales change).
 - CUDA: activations quantized per (token, group) by `kernels/fp8_act_quant.py`, then
   - M <= 16 rows (decode at small batch): the Triton GEMV (`kernels/fp8_gemv.py`), reading fp8 weights once;
   - per-token activation scales with per-output-channel weight scales and a bf16 output: cuBLASLt
@@ -15,7 +16,7 @@ import functools
 
 import torch
 
-from spmd_engine.kernels.reference import fp8_linear_reference
+from spmd_engine.kernels.reference import fp8_dequantize_weight_reference, fp8_linear_reference
 
 SMALL_BATCH_MAX_M = 16
 
@@ -37,6 +38,17 @@ def scaled_mm_rowwise_works(device_index: int) -> bool:
         return False
 
 
+def _dequantized_on_cpu(weight: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
+    """The float32 weight the CPU path multiplies by, kept on the weight until the weight or its scales change
+    in place (their version counters): CPU runs test the math, and converting fp8 per call is slow there."""
+    key = (weight._version, scale._version, weight.data_ptr(), scale.data_ptr())
+    cached = getattr(weight, "_fp8_dequantized", None)
+    if cached is None or cached[0] != key:
+        cached = (key, fp8_dequantize_weight_reference(weight, scale, block_n, block_k))
+        weight._fp8_dequantized = cached
+    return cached[1]
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int, group: int,
                bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, gated: bool = False
                ) -> torch.Tensor:
@@ -46,7 +58,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if not x.is_cuda:
-        y = fp8_linear_reference(x2, weight, scale, block_n, block_k, group, bias, out_dtype, gated)
+        dequantized = _dequantized_on_cpu(weight, scale, block_n, block_k)
+        y = fp8_linear_reference(x2, weight, scale, block_n, block_k, group, bias, out_dtype, gated,
+                                 dequantized=dequantized)
         return y.view(*lead, weight.shape[0])
     from spmd_engine.kernels.fp8_act_quant import fp8_act_quant
 

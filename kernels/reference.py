@@ -313,6 +313,8 @@ def fp8_dequantize_weight_reference(weight: torch.Tensor, scale: torch.Tensor, b
                                     ) -> torch.Tensor:
     """float8_e4m3fn weight [N, K] and its block scales -> float32 [N, K]."""
     n, k = weight.shape
+    if block_n == 1 and scale.shape == (n, 1):  # per output channel: a broadcast
+        return weight.float() * scale.float()
     return weight.float() * fp8_expand_scale_reference(scale, n, k, block_n, block_k)
 
 
@@ -343,6 +345,7 @@ def fp8_linear_reference(
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,  # None: x.dtype
     gated: bool = False,
+    dequantized: torch.Tensor | None = None,  # the weight as float32, if the caller keeps it
 ) -> torch.Tensor:
     """The W8A8 matmul: x quantized per (token, group), times the dequantized weight, summed in float32,
     bias added, rounded once to `out_dtype`. The oracle of the FP8 kernels and the CPU path."""
@@ -351,7 +354,9 @@ def fp8_linear_reference(
         x = (torch.nn.functional.silu(gate.float()) * up.float()).to(x.dtype)
     q, a_scale = fp8_act_quant_reference(x, group)
     a = q.float() * a_scale.repeat_interleave(group, 1)
-    y = a @ fp8_dequantize_weight_reference(weight, scale, block_n, block_k).t()
+    if dequantized is None:
+        dequantized = fp8_dequantize_weight_reference(weight, scale, block_n, block_k)
+    y = a @ dequantized.t()
     if bias is not None:
         y = y + bias.float()
     return y.to(out_dtype or x.dtype)
