@@ -360,3 +360,71 @@ def fp8_linear_reference(
     if bias is not None:
         y = y + bias.float()
     return y.to(out_dtype or x.dtype)
+
+
+# --- int8 KV cache (`kv_cache_dtype=int8`): K and V Hadamard-rotated per head, int8 per (token, KV head) ----------
+# Each stored row of a KV head is head_dim int8 values followed by the row's float32 scale as 4 bytes, so a cache
+# is [num_blocks, block_size, Hkv, head_dim + 4] int8 and scales travel with their blocks (copies, prefix reuse).
+# K and V are rotated by the orthonormal Hadamard matrix H first (q . k = (qH) . (kH); o = (P (vH)) H), which
+# spreads a head's outlier dims over all dims before the per-row scale is taken.
+
+KV_INT8_SCALE_BYTES = 4
+KV_INT8_MAX = 127.0
+
+
+def hadamard_reference(n: int, device: torch.device | None = None) -> torch.Tensor:
+    """The n x n orthonormal Sylvester-Hadamard matrix (n a power of two), float32; symmetric, its own inverse."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"kv_cache_dtype=int8 needs a power-of-two head_dim, got {n}")
+    h = torch.ones(1, 1, device=device)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return h / n**0.5
+
+
+def quantize_kv_int8_reference(x: torch.Tensor) -> torch.Tensor:
+    """x [T, Hkv, D] -> stored rows [T, Hkv, D + 4] int8: (x H) / scale rounded, then the float32 scale's bytes,
+    scale = max |x H| of the row / 127."""
+    d = x.shape[-1]
+    rotated = x.float() @ hadamard_reference(d, x.device)
+    scale = (rotated.abs().amax(dim=-1, keepdim=True) / KV_INT8_MAX).clamp_min(1e-30)
+    q = (rotated / scale).round().clamp(-KV_INT8_MAX, KV_INT8_MAX).to(torch.int8)
+    return torch.cat([q, scale.contiguous().view(torch.int8)], dim=-1)
+
+
+def dequantize_kv_int8_reference(rows: torch.Tensor) -> torch.Tensor:
+    """Stored rows [..., D + 4] int8 -> float32 [..., D], still rotated (x H)."""
+    d = rows.shape[-1] - KV_INT8_SCALE_BYTES
+    scale = rows[..., d:].contiguous().view(torch.float32)  # [..., 1]
+    return rows[..., :d].float() * scale
+
+
+def store_kv_int8_reference(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            slot_mapping: torch.Tensor) -> None:
+    """`store_kv_reference` for an int8 cache ([N, bs, Hkv, D + 4]): rows quantized and written at their slots."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    block_size = k_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = quantize_kv_int8_reference(key[keep])
+    v_cache[blocks, offsets] = quantize_kv_int8_reference(value[keep])
+
+
+def paged_attention_int8_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                   cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                                   scale: float) -> torch.Tensor:
+    """`paged_attention_reference` over an int8 cache: the blocks the tables name dequantized (rotated), q
+    rotated alike, attention in float32, the output rotated back; returns query.dtype."""
+    d = k_cache.shape[-1] - KV_INT8_SCALE_BYTES
+    block_size = k_cache.shape[1]
+    needed = (seq_lens.long() + block_size - 1) // block_size
+    cols = torch.arange(block_tables.shape[1], device=block_tables.device)
+    used = torch.unique(block_tables.long()[cols[None, :] < needed[:, None]])
+    local = torch.zeros(k_cache.shape[0], dtype=torch.int32, device=k_cache.device)
+    local[used] = torch.arange(used.numel(), dtype=torch.int32, device=k_cache.device)
+    tables = torch.where(cols[None, :] < needed[:, None], local[block_tables.long().clamp_min(0)], 0)
+    k = dequantize_kv_int8_reference(k_cache[used])
+    v = dequantize_kv_int8_reference(v_cache[used])
+    h = hadamard_reference(d, query.device)
+    out = paged_attention_reference(query.float() @ h, k, v, cu_seqlens_q, seq_lens, tables.to(torch.int32), scale)
+    return (out @ h).to(query.dtype)

@@ -85,6 +85,11 @@ def resolve_max_model_len(requested: int | None, shape: ModelShape) -> int:
     return requested
 
 
+def _power_of_two_head_dim(head_dim: int) -> None:
+    if head_dim & (head_dim - 1):
+        raise ConfigError(f"kv_cache_dtype=int8 needs a power-of-two head_dim (its Hadamard rotation), got {head_dim}")
+
+
 def resolve_backend(name: str, device: torch.device, block_size: int, head_dim: int) -> str:
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
@@ -135,6 +140,9 @@ class Engine:
         self.dtype = resolve_dtype(cfg.dtype, self.device, self.shape.torch_dtype)
         backend = agreed(lambda: resolve_backend(cfg.attention_backend, self.device, cfg.block_size,
                                                  self.shape.head_dim))
+        if cfg.kv_cache_dtype == "int8":  # only the torch reference reads an int8 cache (kernels/reference.py)
+            agreed(lambda: _power_of_two_head_dim(self.shape.head_dim))
+            backend = "torch"
         agreed(self._check_planned_kv_capacity)  # before the weights load: a too-small pool fails fast
         # collective over the replica's group; tp_allreduce=symm_mem that cannot run fails every rank alike
         self.tp_allreduce = agreed(self._make_tp_allreduce)

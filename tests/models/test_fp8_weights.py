@@ -134,7 +134,7 @@ def test_bad_combinations_fail_with_one_line():
     assert resolve_quantization("auto", fp8).block_k == 128
     with pytest.raises(ValueError, match="quantization=none cannot load this FP8 checkpoint"):
         resolve_quantization("none", fp8)
-    with pytest.raises(ValueError, match="quantization must be one of auto|fp8|none, got 'int4'"):
+    with pytest.raises(ValueError, match=r"quantization must be one of auto\|fp8\|none, got 'int4'"):
         resolve_quantization("int4", plain)
     with pytest.raises(ValueError, match="quant_method='awq' is not supported"):
         resolve_quantization("auto", {"quantization_config": {"quant_method": "awq"}})
