@@ -31,7 +31,7 @@ class Fp8GemmConfig:
     num_stages: int = 3
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compiled kernel for every row count: nothing compiles mid-job
 def _fp8_gemm_kernel(a, a_scale, w, w_scale, bias, out,
                      M, N, K, stride_am, stride_asm, stride_wn, stride_wsn, stride_om,
                      GROUP: tl.constexpr, BN_W: tl.constexpr, BK_W: tl.constexpr,
@@ -64,14 +64,17 @@ def _fp8_gemm_kernel(a, a_scale, w, w_scale, bias, out,
              mask=row_ok[:, None] & col_ok[None, :])
 
 
+MIN_K_STEP = 32  # an fp8 MMA's K
+
+
 def k_step(k: int, group: int, block_k_w: int, most: int = 128) -> int:
-    """The largest power-of-two K step <= `most` (>= 16) inside one activation group and one weight block."""
+    """The largest power-of-two K step <= `most` (>= MIN_K_STEP) inside one activation group and one weight block."""
     step = most
-    while step > 16 and ((group % step and group < k) or (block_k_w % step and block_k_w < k)):
+    while step > MIN_K_STEP and ((group % step and group < k) or (block_k_w % step and block_k_w < k)):
         step //= 2
     if (group < k and group % step) or (block_k_w < k and block_k_w % step):
         raise ValueError(f"fp8 matmul: activation group {group} and weight block {block_k_w} need a common "
-                         f"power-of-two step >= 16")
+                         f"power-of-two step >= {MIN_K_STEP}")
     return step
 
 

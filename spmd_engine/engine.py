@@ -142,6 +142,8 @@ class Engine:
                                                  self.shape.head_dim))
         if cfg.kv_cache_dtype == "int8":  # only the torch reference reads an int8 cache (kernels/reference.py)
             agreed(lambda: _power_of_two_head_dim(self.shape.head_dim))
+            if backend != "torch":
+                log.warning("kv_cache_dtype=int8: torch attention (the Triton and CUDA kernels do not read it)")
             backend = "torch"
         agreed(self._check_planned_kv_capacity)  # before the weights load: a too-small pool fails fast
         # collective over the replica's group; tp_allreduce=symm_mem that cannot run fails every rank alike

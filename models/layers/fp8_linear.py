@@ -88,11 +88,12 @@ def _blocks(full: int, block: int) -> int:
 
 def _group_for(k: int, group: int) -> int:
     """The activation group of a layer with K input columns (per rank): the largest power of two <= `group`
-    (>= 16) that divides K, so tensor-parallel shards of K keep whole groups; else (or group 0) the whole row."""
+    (>= 32, an fp8 MMA's K) that divides K, so tensor-parallel shards of K keep whole groups; else (or group 0)
+    the whole row."""
     size = 1 << (group.bit_length() - 1) if group else 0
-    while size >= 16 and k % size:
+    while size >= 32 and k % size:
         size //= 2
-    return size if size >= 16 else k
+    return size if size >= 32 else k
 
 
 class Fp8Layer:

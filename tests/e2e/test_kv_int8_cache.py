@@ -35,7 +35,7 @@ def test_int8_key_errors_are_one_line():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("SPMD_SLOW_TESTS") != "1", reason="set SPMD_SLOW_TESTS=1 (about 1 min)")
+@pytest.mark.skipif(os.environ.get("SPMD_SLOW_TESTS") != "1", reason="set SPMD_SLOW_TESTS=1 (1.5-6 min on 2 cores)")
 def test_int8_cache_agrees_with_the_unquantized_cache_on_smollm2(smollm2_dir: Path):
     """Teacher-forced top-1 over 4 real texts x 512 tokens, each prefilled through the cache (every position
     attends over stored, quantized K/V): >= 99 % agreement with a float32 cache (docs/PERFORMANCE.md)."""

@@ -124,8 +124,8 @@ def test_k_step_stays_inside_groups_and_blocks():
     assert k_step(576, 576, 576) == 128  # per token, per channel: one group, the last step masked
     assert k_step(576, 64, 576) == 64
     assert k_step(256, 32, 128) == 32
-    with pytest.raises(ValueError, match="common power-of-two step"):
-        k_step(96, 24, 96)
+    with pytest.raises(ValueError, match="common power-of-two step >= 32"):
+        k_step(96, 16, 96)
 
 
 def test_dequantized_weights_are_within_half_an_e4m3_step_of_the_originals():
