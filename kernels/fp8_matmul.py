@@ -5,6 +5,7 @@
   between calls (until the weight or its scales change).
 - CUDA: activations quantized per (token, group) by `kernels/fp8_act_quant.py`, then
   - M <= 16 rows (decode at small batch): the Triton GEMV (`kernels/fp8_gemv.py`), reading fp8 weights once;
+    with activation groups of 32..128 columns it quantizes the activations itself (one launch, the same bits);
   - per-token activation scales with per-output-channel weight scales and a bf16 output: cuBLASLt
     (`torch._scaled_mm`, row-wise scaling) where it runs on this GPU (probed once, eagerly);
   - anything else (block-scaled weights, float32 partial sums): the Triton block-scaled GEMM
@@ -63,12 +64,16 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
                                  dequantized=dequantized)
         return y.view(*lead, weight.shape[0])
     from spmd_engine.kernels.fp8_act_quant import fp8_act_quant
+    from spmd_engine.kernels.fp8_gemv import fp8_gemv_fused, fusable
 
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
+    n = weight.shape[0]
+    if x2.shape[0] <= SMALL_BATCH_MAX_M and fusable(weight.shape[1], group, block_k):
+        y = fp8_gemv_fused(x2, group, weight, scale, block_n, block_k, bias, out_dtype, gated)
+        return y.view(*lead, n)
     qa, a_scale = fp8_act_quant(x2, group, gated)
     m, k = qa.shape
-    n = weight.shape[0]
     if m <= SMALL_BATCH_MAX_M:
         from spmd_engine.kernels.fp8_gemv import fp8_gemv
 

@@ -86,3 +86,16 @@ def test_engine_graphs_give_the_eager_tokens(tiny_fp8, which):
     eager = make_llm(path, enforce_eager=True, **keys)
     assert greedy_tokens(eager, PROMPTS) == tokens
     assert graphed.model.fp8_scheme is not None
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_fused_gemv_gives_the_bits_of_act_quant_then_gemv_on_the_gpu(gated):
+    from spmd_engine.kernels.fp8_gemv import fp8_gemv_fused
+
+    x, qw, scale = operands(4096, 4096, 16, (1, 4096))
+    if gated:
+        x = torch.cat([x, x.flip(1)], dim=1)
+    for m in (1, 3, 16):
+        fused = fp8_gemv_fused(x[:m], 128, qw, scale, 1, 4096, None, torch.bfloat16, gated=gated)
+        qa, sa = fp8_act_quant(x[:m], 128, gated=gated)
+        assert torch.equal(fused, fp8_gemv(qa, sa, 128, qw, scale, 1, 4096, None, torch.bfloat16)), m

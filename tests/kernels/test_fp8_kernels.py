@@ -144,3 +144,15 @@ def test_fp8_linear_on_cpu_is_the_reference_and_keeps_leading_dims():
     assert out.shape == (2, 3, 24)
     if not x.is_cuda and DEVICE.type == "cpu":
         assert torch.equal(out, fp8_linear_reference(x.view(6, 64), qw, scale, 1, 64, 32).view(2, 3, 24))
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_fused_gemv_gives_the_bits_of_act_quant_then_gemv(gated):
+    from spmd_engine.kernels.fp8_gemv import fp8_gemv_fused
+
+    k = 64
+    qw, scale = weights(40, k, (1, 32), seed=6)
+    x = activations(5, 2 * k if gated else k, torch.float16, seed=7)
+    fused = fp8_gemv_fused(x, 32, qw, scale, 1, 32, None, torch.float32, gated=gated, rows_per_program=16)
+    qa, sa = fp8_act_quant(x, 32, gated=gated)
+    assert torch.equal(fused, fp8_gemv(qa, sa, 32, qw, scale, 1, 32, None, torch.float32, rows_per_program=16))
