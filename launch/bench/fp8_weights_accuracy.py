@@ -7,7 +7,7 @@ activation scales per token or per token and group of columns (`models/layers/fp
 until it divides K: SmolLM2's hidden size 576 takes 64), and weight-only rounding (activations unquantized) to
 split the two error sources.
 
-    python launch/bench/fp8_weights_accuracy.py          # ~2 min on 2 cores
+    python launch/bench/fp8_weights_accuracy.py          # 8 runs of 1-3 min each on 2 cores
 """
 from __future__ import annotations
 
