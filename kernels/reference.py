@@ -321,3 +321,160 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
         y = torch.nn.functional.linear(act.float(), w2[e].float())
         out.index_add_(0, token, y * topk_weights[token, slot].float()[:, None])
     return out.to(out_dtype or x.dtype)
+
+
+# --- FP8 weights and activations (W8A8): kernels/fp8_act_quant.py, fp8_gemv.py, fp8_gemm.py -----------
+# Weights: float8_e4m3fn [N, K] with float32 scales [ceil(N / block_n), ceil(K / block_k)] (one scale per
+# block_n x block_k block; block_n = 1 and block_k >= K: one per output channel). Activations: quantized per
+# token and group of `group` columns (group = K: per token) with power-of-two scales, so dividing by a scale
+# and multiplying by it are exact and every implementation writes the same bytes.
+
+FP8_E4M3_MAX = 448.0
+FP8_ACT_HEADROOM = 256.0  # an activation group's largest magnitude lands in (128, 256] (a power-of-two scale)
+FP8_MIN_AMAX = 2.0**-100  # all-zero groups get a finite scale
+
+
+def fp8_act_scale_reference(amax: torch.Tensor) -> torch.Tensor:
+    """The power-of-two scale of a group whose largest magnitude is `amax` (float32): 2^ceil(log2 amax) / 256."""
+    amax = amax.float().clamp_min(FP8_MIN_AMAX)
+    mantissa, exponent = torch.frexp(amax)
+    power = torch.where(mantissa == 0.5, amax, torch.ldexp(torch.ones_like(amax), exponent))
+    return power / FP8_ACT_HEADROOM
+
+
+def fp8_act_quant_reference(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (float8_e4m3fn [M, K], float32 scales [M, K / group]); x ~= q * scale per group."""
+    m, k = x.shape
+    if k % group:
+        raise ValueError(f"fp8 activation quantization: K={k} is not a multiple of the group {group}")
+    xf = x.float().reshape(m, k // group, group)
+    scale = fp8_act_scale_reference(xf.abs().amax(dim=-1))
+    q = (xf / scale[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(m, k), scale
+
+
+def fp8_expand_scale_reference(scale: torch.Tensor, rows: int, cols: int, block_n: int, block_k: int
+                               ) -> torch.Tensor:
+    """Block scales [ceil(rows / block_n), ceil(cols / block_k)] -> one per element [rows, cols]."""
+    return scale.float().repeat_interleave(block_n, 0)[:rows].repeat_interleave(block_k, 1)[:, :cols]
+
+
+def fp8_dequantize_weight_reference(weight: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int
+                                    ) -> torch.Tensor:
+    """float8_e4m3fn weight [N, K] and its block scales -> float32 [N, K]."""
+    n, k = weight.shape
+    if block_n == 1 and scale.shape == (n, 1):  # per output channel: a broadcast
+        return weight.float() * scale.float()
+    return weight.float() * fp8_expand_scale_reference(scale, n, k, block_n, block_k)
+
+
+def fp8_quantize_weight_reference(weight: torch.Tensor, block_n: int, block_k: int
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 16/32-bit weight [N, K] -> (float8_e4m3fn [N, K], float32 scales [ceil(N / block_n), ceil(K / block_k)]),
+    scale = the block's largest magnitude / 448 (the recipe of block-scaled FP8 checkpoints; block_n = 1 and
+    block_k >= K: per output channel)."""
+    n, k = weight.shape
+    bn, bk = min(block_n, n), min(block_k, k)
+    nb, kb = -(-n // bn), -(-k // bk)
+    padded = torch.zeros(nb * bn, kb * bk, dtype=torch.float32, device=weight.device)
+    padded[:n, :k] = weight.float()
+    amax = padded.view(nb, bn, kb, bk).abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
+    full = fp8_expand_scale_reference(scale, n, k, bn, bk)
+    q = (weight.float() / full).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def fp8_linear_reference(
+    x: torch.Tensor,  # [M, K] (gated: [M, 2K] = gate | up, the input is silu(gate) * up)
+    weight: torch.Tensor,  # float8_e4m3fn [N, K]
+    scale: torch.Tensor,  # float32 [ceil(N / block_n), ceil(K / block_k)]
+    block_n: int,
+    block_k: int,
+    group: int,  # activation columns per scale (K: per token)
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,  # None: x.dtype
+    gated: bool = False,
+    dequantized: torch.Tensor | None = None,  # the weight as float32, if the caller keeps it
+) -> torch.Tensor:
+    """The W8A8 matmul: x quantized per (token, group), times the dequantized weight, summed in float32,
+    bias added, rounded once to `out_dtype`. The oracle of the FP8 kernels and the CPU path."""
+    if gated:
+        gate, up = x.chunk(2, dim=-1)
+        x = (torch.nn.functional.silu(gate.float()) * up.float()).to(x.dtype)
+    q, a_scale = fp8_act_quant_reference(x, group)
+    a = q.float() * a_scale.repeat_interleave(group, 1)
+    if dequantized is None:
+        dequantized = fp8_dequantize_weight_reference(weight, scale, block_n, block_k)
+    y = a @ dequantized.t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype or x.dtype)
+
+
+# --- int8 KV cache (`kv_cache_dtype=int8`): K and V Hadamard-rotated per head, int8 per (token, KV head) ----------
+# Each stored row of a KV head is head_dim int8 values followed by the row's float32 scale as 4 bytes, so a cache
+# is [num_blocks, block_size, Hkv, head_dim + 4] int8 and scales travel with their blocks (copies, prefix reuse).
+# K and V are rotated by the orthonormal Hadamard matrix H first (q . k = (qH) . (kH); o = (P (vH)) H), which
+# spreads a head's outlier dims over all dims before the per-row scale is taken.
+
+KV_INT8_SCALE_BYTES = 4
+KV_INT8_MAX = 127.0
+
+
+def hadamard_reference(n: int, device: torch.device | None = None) -> torch.Tensor:
+    """The n x n orthonormal Sylvester-Hadamard matrix (n a power of two), float32; symmetric, its own inverse."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"kv_cache_dtype=int8 needs a power-of-two head_dim, got {n}")
+    h = torch.ones(1, 1, device=device)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return h / n**0.5
+
+
+def quantize_kv_int8_reference(x: torch.Tensor) -> torch.Tensor:
+    """x [T, Hkv, D] -> stored rows [T, Hkv, D + 4] int8: (x H) / scale rounded, then the float32 scale's bytes,
+    scale = max |x H| of the row / 127."""
+    d = x.shape[-1]
+    rotated = x.float() @ hadamard_reference(d, x.device)
+    scale = (rotated.abs().amax(dim=-1, keepdim=True) / KV_INT8_MAX).clamp_min(1e-30)
+    q = (rotated / scale).round().clamp(-KV_INT8_MAX, KV_INT8_MAX).to(torch.int8)
+    return torch.cat([q, scale.contiguous().view(torch.int8)], dim=-1)
+
+
+def dequantize_kv_int8_reference(rows: torch.Tensor) -> torch.Tensor:
+    """Stored rows [..., D + 4] int8 -> float32 [..., D], still rotated (x H)."""
+    d = rows.shape[-1] - KV_INT8_SCALE_BYTES
+    scale = rows[..., d:].contiguous().view(torch.float32)  # [..., 1]
+    return rows[..., :d].float() * scale
+
+
+def store_kv_int8_reference(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            slot_mapping: torch.Tensor) -> None:
+    """`store_kv_reference` for an int8 cache ([N, bs, Hkv, D + 4]): rows quantized and written at their slots."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    block_size = k_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = quantize_kv_int8_reference(key[keep])
+    v_cache[blocks, offsets] = quantize_kv_int8_reference(value[keep])
+
+
+def paged_attention_int8_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                   cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                                   scale: float) -> torch.Tensor:
+    """`paged_attention_reference` over an int8 cache: the blocks the tables name dequantized (rotated), q
+    rotated alike, attention in float32, the output rotated back; returns query.dtype."""
+    d = k_cache.shape[-1] - KV_INT8_SCALE_BYTES
+    block_size = k_cache.shape[1]
+    needed = (seq_lens.long() + block_size - 1) // block_size
+    cols = torch.arange(block_tables.shape[1], device=block_tables.device)
+    used = torch.unique(block_tables.long()[cols[None, :] < needed[:, None]])
+    local = torch.zeros(k_cache.shape[0], dtype=torch.int32, device=k_cache.device)
+    local[used] = torch.arange(used.numel(), dtype=torch.int32, device=k_cache.device)
+    tables = torch.where(cols[None, :] < needed[:, None], local[block_tables.long().clamp_min(0)], 0)
+    k = dequantize_kv_int8_reference(k_cache[used])
+    v = dequantize_kv_int8_reference(v_cache[used])
+    h = hadamard_reference(d, query.device)
+    out = paged_attention_reference(query.float() @ h, k, v, cu_seqlens_q, seq_lens, tables.to(torch.int32), scale)
+    return (out @ h).to(query.dtype)

@@ -65,14 +65,27 @@ def _with_aliases(named: Iterable[tuple[str, torch.Tensor]], aliases: dict[str, 
             yield aliases[source_name], tensor
 
 
+def expected_shapes(model: CausalLM) -> dict[str, tuple[int, ...]]:
+    """The model's checkpoint tensors and, for an FP8 checkpoint (models/layers/fp8_linear.py), the block
+    scales (`weight_scale_inv`) next to each quantized projection."""
+    shapes = model.checkpoint_shapes()
+    scheme = getattr(model, "fp8_scheme", None)
+    if scheme is not None and scheme.from_checkpoint:
+        from spmd_engine.models.layers.fp8_linear import scale_checkpoint_shapes
+
+        shapes.update(scale_checkpoint_shapes(shapes, scheme))
+    return shapes
+
+
 def load_weights(
     model: CausalLM, named_tensors: Iterable[tuple[str, torch.Tensor]], aliases: dict[str, str] | None = None
 ) -> None:
     """Load (HF name, full tensor) pairs; `aliases` loads a tensor under a second name as well.
 
-    Raises ValueError on an unexpected name, a wrong shape or a tensor missing at the end.
+    Raises ValueError on an unexpected name, a wrong shape or a tensor missing at the end. A projection of an
+    FP8 model that arrives in 16 bits is quantized at load and needs no `weight_scale_inv`.
     """
-    expected = model.checkpoint_shapes()
+    expected = expected_shapes(model)
     params = dict(model.named_parameters())
     seen: set[str] = set()
     for name, tensor in _with_aliases(named_tensors, aliases):
@@ -80,6 +93,8 @@ def load_weights(
         if target is not None:
             load_into(target, tensor)
             seen.add(name)
+            if tensor.dtype != torch.float8_e4m3fn and name + "_scale_inv" in expected:
+                seen.add(name + "_scale_inv")  # quantized at load: its scales were written with it
     missing = sorted(set(expected) - seen)
     if missing:
         more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
@@ -91,7 +106,7 @@ def plan_update(model: CausalLM, named_shapes: Iterable[tuple[str, tuple[int, ..
                 aliases: dict[str, str] | None = None) -> dict[str, WeightTarget]:
     """HF name -> target for an in-place update of some of the weights, every name and shape checked
     first (ValueError naming the first bad one), so a bad batch changes nothing."""
-    expected = model.checkpoint_shapes()
+    expected = expected_shapes(model)
     params = dict(model.named_parameters())
     targets: dict[str, WeightTarget] = {}
     for name, shape in _with_aliases(named_shapes, aliases):

@@ -26,11 +26,15 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
 
 
 def build_model(hf_config: dict[str, Any], tp: TensorParallel, attention_backend: str = "torch",
-                moe_tp_split: str | None = None) -> CausalLM:
+                moe_tp_split: str | None = None, quantization: str = "auto") -> CausalLM:
     """`moe_tp_split`: experts | intermediate for an MoE model (models/moe_shape.py); None: the config's or
-    the default."""
+    the default. `quantization` (auto | fp8 | none, models/layers/fp8_linear.py): fp8 linear layers before any
+    weight loads."""
+    from spmd_engine.models.layers.fp8_linear import quantize_linear_layers, resolve_quantization
+
     if moe_tp_split is not None:
         hf_config = {**hf_config, MOE_TP_SPLIT_KEY: moe_tp_split}
+    scheme = resolve_quantization(quantization, hf_config)
     shape = ModelShape.from_hf_config(hf_config)
     model_cls = MODEL_CLASSES.get(shape.architecture)
     if model_cls is None:
@@ -43,4 +47,8 @@ def build_model(hf_config: dict[str, Any], tp: TensorParallel, attention_backend
         raise ValueError(f"model attn_logit_softcapping must be null (not supported), got "
                          f"{shape.attn_logit_softcapping}")
     shape.validate_tensor_parallel(tp.world_size)
-    return model_cls(shape, tp, attention_backend)
+    model = model_cls(shape, tp, attention_backend)
+    model.fp8_scheme = scheme
+    if scheme is not None:
+        quantize_linear_layers(model, scheme)
+    return model

@@ -97,7 +97,12 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | triton | torch
     device: str = "auto"  # auto | cuda | cpu
     dtype: str = "auto"  # auto | bfloat16 | float16 | float32
-    kv_cache_dtype: str = "auto"  # auto (the model dtype) | fp8 (float8_e4m3fn, per-head scales)
+    # auto (the model dtype) | fp8 (float8_e4m3fn, per-head scales) | int8 (per token and head, Hadamard-rotated;
+    # attention_backend=torch only)
+    kv_cache_dtype: str = "auto"
+    # auto | fp8 | none: fp8 = e4m3 weights and activations in the linear layers (an FP8 checkpoint's block
+    # scales, or a 16-bit checkpoint quantized at load); auto = fp8 for an FP8 checkpoint, else none
+    quantization: str = "auto"
     # float32 | model: dtype of the row-parallel all-reduce sums; bf16 partial sums rounded on every rank make
     # N ranks pick other greedy tokens than one rank, float32 rounds once (2x the all-reduce bytes)
     tp_reduce_dtype: str = "float32"
@@ -140,11 +145,15 @@ class EngineConfig:
         _check(self.device in ("auto", "cuda", "cpu"), f"device must be one of auto|cuda|cpu, got {self.device!r}")
         _check(self.dtype in ("auto", "bfloat16", "float16", "float32"),
                f"dtype must be one of auto|bfloat16|float16|float32, got {self.dtype!r}")
-        _check(self.kv_cache_dtype in ("auto", "fp8"),
-               f"kv_cache_dtype must be one of auto|fp8, got {self.kv_cache_dtype!r}")
+        _check(self.kv_cache_dtype in ("auto", "fp8", "int8"),
+               f"kv_cache_dtype must be one of auto|fp8|int8, got {self.kv_cache_dtype!r}")
+        _check(self.kv_cache_dtype != "int8" or self.attention_backend in ("auto", "torch"),
+               f"kv_cache_dtype=int8 runs on attention_backend=torch only, got {self.attention_backend!r}")
         _check(self.kv_cache_dtype != "fp8" or self.block_size >= 2,
                f"kv_cache_dtype=fp8 needs block_size >= 2 (its V cache stores pairs of positions), "
                f"got {self.block_size}")
+        _check(self.quantization in ("auto", "fp8", "none"),
+               f"quantization must be one of auto|fp8|none, got {self.quantization!r}")
         _check(self.tp_reduce_dtype in ("float32", "model"),
                f"tp_reduce_dtype must be one of float32|model, got {self.tp_reduce_dtype!r}")
         _check(self.tp_allreduce in ("auto", "nccl", "symm_mem"),

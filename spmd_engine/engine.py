@@ -86,6 +86,11 @@ def resolve_max_model_len(requested: int | None, shape: ModelShape) -> int:
     return requested
 
 
+def _power_of_two_head_dim(head_dim: int) -> None:
+    if head_dim & (head_dim - 1):
+        raise ConfigError(f"kv_cache_dtype=int8 needs a power-of-two head_dim (its Hadamard rotation), got {head_dim}")
+
+
 def resolve_backend(name: str, device: torch.device, block_size: int, head_dim: int) -> str:
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
@@ -136,6 +141,11 @@ class Engine:
         self.dtype = resolve_dtype(cfg.dtype, self.device, self.shape.torch_dtype)
         backend = agreed(lambda: resolve_backend(cfg.attention_backend, self.device, cfg.block_size,
                                                  self.shape.head_dim))
+        if cfg.kv_cache_dtype == "int8":  # only the torch reference reads an int8 cache (kernels/reference.py)
+            agreed(lambda: _power_of_two_head_dim(self.shape.head_dim))
+            if backend != "torch":
+                log.warning("kv_cache_dtype=int8: torch attention (the Triton and CUDA kernels do not read it)")
+            backend = "torch"
         agreed(self._check_planned_kv_capacity)  # before the weights load: a too-small pool fails fast
         # collective over the replica's group; tp_allreduce=symm_mem that cannot run fails every rank alike
         self.tp_allreduce = agreed(self._make_tp_allreduce)
@@ -186,7 +196,8 @@ class Engine:
         try:
             with torch.device(self.device):
                 # agreed: an unsupported architecture / activation / sliding window fails every rank alike
-                model = agreed(lambda: build_model(self.source.hf_config, tp, backend, moe_tp_split=cfg.moe_tp_split))
+                model = agreed(lambda: build_model(self.source.hf_config, tp, backend, moe_tp_split=cfg.moe_tp_split,
+                                                   quantization=cfg.quantization))
         finally:
             torch.set_default_dtype(previous_dtype)
         self.weight_aliases: dict[str, str] | None = None  # the head loaded from the embedding (update_weights)
@@ -201,6 +212,8 @@ class Engine:
         log.info("model %s loaded (%s, %s, attention=%s, tp=%d) in %.1f s", cfg.model.name,
                  self.source.checkpoint_dir or "dummy weights", str(self.dtype).replace("torch.", ""),
                  backend, replica.tp_size, time.perf_counter() - started)
+        if getattr(model, "fp8_scheme", None) is not None:
+            log.info("quantization: %s", model.fp8_scheme.describe())
         return model
 
     def _start_runner(self) -> ModelRunner:

@@ -119,7 +119,12 @@ class ColumnParallelLinear(SmallBatchSwitch, nn.Module):
         copy_checked(param.data, full.narrow(0, self.tp.rank * rows, rows), "column-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, small_batch_gemv=self.small_batch_gemv)
+        return self.matmul(x, self.bias)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None,
+               gated: bool = False) -> torch.Tensor:
+        """x @ weight^T (+ bias): `linear`; a quantized layer replaces it (models/layers/fp8_linear.py)."""
+        return linear(x, self.weight, bias, out_dtype, small_batch_gemv=self.small_batch_gemv, gated=gated)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -210,6 +215,11 @@ class RowParallelLinear(SmallBatchSwitch, nn.Module):
         """`gated`: x is [T, 2 x input features] = gate | up and the input is silu(gate) * up (`linear`)."""
         bias = self.bias if self.tp.is_first else None
         if self.tp.world_size == 1 or self.tp.reduce_dtype is None or x.dtype not in (torch.bfloat16, torch.float16):
-            return self.tp.all_reduce(linear(x, self.weight, bias, small_batch_gemv=self.small_batch_gemv, gated=gated))
-        y = linear(x, self.weight, bias, out_dtype=torch.float32, small_batch_gemv=self.small_batch_gemv, gated=gated)
+            return self.tp.all_reduce(self.matmul(x, bias, gated=gated))
+        y = self.matmul(x, bias, out_dtype=torch.float32, gated=gated)
         return self.tp.all_reduce(y).to(x.dtype)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None,
+               gated: bool = False) -> torch.Tensor:
+        """This rank's x @ weight^T (+ bias), before the all-reduce: `linear`; a quantized layer replaces it."""
+        return linear(x, self.weight, bias, out_dtype, small_batch_gemv=self.small_batch_gemv, gated=gated)

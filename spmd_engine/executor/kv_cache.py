@@ -26,7 +26,9 @@ from spmd_engine.executor.forward_batch import HostBatch, to_device
 
 log = logging.getLogger(__name__)
 
-KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model dtype; fp8: float8_e4m3fn with per-head scales
+KV_CACHE_DTYPES = ("auto", "fp8", "int8")  # auto: the model dtype; fp8: float8_e4m3fn with per-head scales;
+# int8: Hadamard-rotated int8 rows with a float32 scale per (token, KV head) at each row's end (kernels/reference.py)
+KV_INT8_SCALE_BYTES = 4
 FP8_CALIBRATION_TOKENS = 512
 FP8_CALIBRATION_SEED = 0
 # x4 (x4..x8 after rounding to a power of two) over the calibration maximum: real text reaches up
@@ -41,6 +43,8 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     """`kv_cache_dtype` -> the dtype the cache is stored in."""
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {'|'.join(KV_CACHE_DTYPES)}, got {name!r}")
+    if name == "int8":
+        return torch.int8
     return FP8_DTYPE if name == "fp8" else model_dtype
 
 
@@ -64,9 +68,14 @@ class KVCacheSpec:
         return self.dtype == FP8_DTYPE
 
     @property
+    def row_width(self) -> int:
+        """Elements of one stored (token, KV head) row: head_dim, plus the row's 4 scale bytes in an int8 cache."""
+        return self.head_dim + (KV_INT8_SCALE_BYTES if self.dtype == torch.int8 else 0)
+
+    @property
     def bytes_per_block(self) -> int:
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.row_width * elem
 
 
 @dataclass(frozen=True)
@@ -166,7 +175,7 @@ def bind_kv_scales(model: torch.nn.Module, scales: torch.Tensor | None) -> None:
 
 def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int,
                       device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    cache = torch.empty(spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim,
+    cache = torch.empty(spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.row_width,
                         dtype=spec.dtype, device=device)
     return [(cache[i, 0], cache[i, 1]) for i in range(spec.num_layers)]
 

@@ -69,7 +69,7 @@ def bench_work(llm, outputs) -> dict:
     ok = [o for o in outputs if o.finish_reason != "error"]
     kv_bytes = 0
     prefill_flops = 0.0
-    matmul_params = weights["matmul"] / llm.dtype.itemsize
+    matmul_params = weights["matmul_params"]  # fp8 weights: 1 byte each, their scales counted in the bytes only
     head_params = weights["lm_head"] / llm.dtype.itemsize
     windows = list(shape.layer_windows) or [0] * shape.num_layers  # a sliding layer reads its window only
     for o in ok:
@@ -171,7 +171,7 @@ def bench_report(llm, works: list[dict], engine_run: dict, wall_s: float, output
 def _weight_bytes(model: torch.nn.Module) -> dict[str, int]:
     """Bytes per rank of the matmul weights in the layers, of the LM head, and of the embedding
     (a tied LM head is the embedding: counted as the LM head, since decoding reads all of it)."""
-    out = {"matmul": 0, "lm_head": 0, "embedding": 0, "other": 0}
+    out = {"matmul": 0, "lm_head": 0, "embedding": 0, "other": 0, "matmul_params": 0}
     seen: set[int] = set()
     for name, param in model.named_parameters(remove_duplicate=False):
         if id(param) in seen:
@@ -184,6 +184,8 @@ def _weight_bytes(model: torch.nn.Module) -> dict[str, int]:
             out["embedding"] += size
         elif param.dim() == 2:
             out["matmul"] += size
+            if not name.endswith("weight_scale_inv"):
+                out["matmul_params"] += param.numel()
         else:
             out["other"] += size  # norms, biases
     return out

@@ -44,7 +44,7 @@ def tiny(tmp_path_factory) -> Path:
 
 def test_bad_kv_cache_dtype_is_one_line_naming_the_key():
     cfg = engine_config_from_dict({"model": {"name": "x", "path": None}, "kv_cache_dtype": "fp16"})
-    with pytest.raises(ConfigError, match=r"^kv_cache_dtype must be one of auto\|fp8, got 'fp16'$"):
+    with pytest.raises(ConfigError, match=r"^kv_cache_dtype must be one of auto\|fp8\|int8, got 'fp16'$"):
         cfg.validate(1)
 
 
