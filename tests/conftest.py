@@ -26,7 +26,7 @@ def smollm2_dir():
 # group: one such launch runs at a time, beside one in-process test, so the fault tests' stop times hold on
 # a 2-core machine.
 _RANK_DIRS = ("tests/faults/", "tests/e2e/", "tests/launch/", "tests/gpu/")
-_RANK_SOURCES = re.compile(r"run_engine|spawned_ranks|api_ranks|update_ranks|torchrun|engine_runs|launches")
+_RANK_SOURCES = re.compile(r"run_engine|spawned_ranks|api_ranks|update_ranks|torchrun|engine_runs")
 
 
 def _xdist_group(path: Path) -> str:
