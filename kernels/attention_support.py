@@ -9,6 +9,7 @@ import torch
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INT8_SCALE_BYTES = 4  # an int8 cache row: head_dim int8 values, then the row's float32 scale (kernels/reference.py)
 
 
 def is_power_of_two(value: int) -> bool:
@@ -18,6 +19,12 @@ def is_power_of_two(value: int) -> bool:
 def supports_shape(block_size: int, head_dim: int) -> bool:
     """Any power-of-two KV block size; head dims the tiles are built for."""
     return is_power_of_two(block_size) and head_dim in SUPPORTED_HEAD_DIMS
+
+
+def is_int8_cache(k_cache: torch.Tensor) -> bool:
+    """An int8 cache (`kv_cache_dtype=int8`): the kernels read Hadamard-rotated rows with a scale per row, so
+    their query and output are in the rotated basis (`x H`; the backend rotates them, kernels/kv_int8.py)."""
+    return k_cache.dtype == torch.int8
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -37,9 +44,10 @@ def check_attention_inputs(
         raise ValueError(f"{kernel}: block_size must be a power of two, got {block_size}")
     if query.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"{kernel}: dtype must be fp16, bf16 or fp32, got {query.dtype}")
-    if k_cache.shape != v_cache.shape or k_cache.shape[3] != head_dim:
+    row = head_dim + (INT8_SCALE_BYTES if k_cache.dtype == torch.int8 else 0)  # an int8 row ends in its scale
+    if k_cache.shape != v_cache.shape or k_cache.shape[3] != row:
         raise ValueError(
-            f"{kernel}: k_cache/v_cache must both be [N, block_size, Hkv, {head_dim}], "
+            f"{kernel}: k_cache/v_cache must both be [N, block_size, Hkv, {row}], "
             f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
         )
     if num_q_heads % num_kv_heads != 0:

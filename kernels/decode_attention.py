@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from spmd_engine.kernels.attention_support import check_attention_inputs, dot_precision
+from spmd_engine.kernels.attention_support import check_attention_inputs, dot_precision, is_int8_cache
 from spmd_engine.kernels.kv_quant import check_kv_scales
 from spmd_engine.kernels.paged_kv_tile import (
     fp8_dot_in_f16,
@@ -40,6 +40,7 @@ from spmd_engine.kernels.paged_kv_tile import (
     fp8_v_operand,
     fp8_v_pair_rows,
     fp8_v_rows,
+    int8_row_scales,
     online_softmax_step,
     paged_tile,
 )
@@ -201,14 +202,16 @@ def decode_split_program(
     num_q_heads,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, num_splits, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
-    DOT_F16: tl.constexpr, FUSED_MERGE: tl.constexpr, WINDOW: tl.constexpr = 0,
+    DOT_F16: tl.constexpr, FUSED_MERGE: tl.constexpr, WINDOW: tl.constexpr = 0, KV_INT8: tl.constexpr = False,
 ):
     """One (sequence, KV head, split) of the split kernel: shared with the mixed-batch kernel
     (kernels/mixed_attention.py), so a decode row computes the same bits in either launch. `num_splits`
     is the split kernel's constexpr NUM_SPLITS (a graph bucket compiles its own) or the mixed kernel's
     runtime int (one compiled kernel whatever the batch): only integer bounds follow from it. FUSED_MERGE
     (with several splits) has the last split to arrive merge them; off, the partials stay in `partial_out` /
-    `partial_lse` for the tests' second-launch merge (tests/helpers/split_oracles.py)."""
+    `partial_lse` for the tests' second-launch merge (tests/helpers/split_oracles.py). KV_INT8: an int8 cache
+    (rows of int8 values and a float32 scale; q and the output in the rotated basis): the int8 values go into
+    the dots exactly (|x| <= 127 in any 16-bit float), K's row scales multiply the scores, V's the weights p."""
     if KV_FP8:  # dequantization folded: q.(s_k k8) = s_k (q.k8), sum p (s_v v8) = s_v sum p v8
         scale_log2 = scale_log2 * tl.load(k_scale + kv_head)
     seq_len = tl.load(seq_lens + seq)
@@ -256,8 +259,12 @@ def decode_split_program(
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
             scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
+            if KV_INT8:  # q.(s_k k8) = s_k (q.k8); sum p (s_v v8) = sum (p s_v) v8
+                scores = scores * int8_row_scales(k_cache, rows, kv_head_offset, valid, HEAD_DIM)[None, :]
             scores = tl.where(valid[None, :], scores, float("-inf"))
             p, alpha, m_i, l_i = online_softmax_step(scores, m_i, l_i)
+            if KV_INT8:
+                p = p * int8_row_scales(v_cache, rows, kv_head_offset, valid, HEAD_DIM)[None, :]
             acc = acc * alpha[:, None] + tl.dot(
                 p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION
             )
@@ -307,7 +314,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
     DOT_F16: tl.constexpr, FUSED_MERGE: tl.constexpr,
-    USE_PDL: tl.constexpr, WINDOW: tl.constexpr = 0,
+    USE_PDL: tl.constexpr, WINDOW: tl.constexpr = 0, KV_INT8: tl.constexpr = False,
 ):
     pdl_prologue(USE_PDL)  # kernels/pdl.py: before any memory access
     decode_split_program(
@@ -318,7 +325,7 @@ def _decode_split_kernel(
         stride_cache_block, stride_cache_pos, stride_cache_head, stride_table,
         num_q_heads,
         GROUP, BLOCK_H, BLOCK_SIZE, HEAD_DIM, BLOCK_N, NUM_SPLITS, DOT_PRECISION, KV_FP8, DOT_F16, FUSED_MERGE,
-        WINDOW,
+        WINDOW, KV_INT8,
     )
 
 
@@ -331,7 +338,7 @@ def _decode_any_splits_kernel(
     num_q_heads, num_splits,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, DOT_F16: tl.constexpr,
-    USE_PDL: tl.constexpr, WINDOW: tl.constexpr = 0,
+    USE_PDL: tl.constexpr, WINDOW: tl.constexpr = 0, KV_INT8: tl.constexpr = False,
 ):
     """The split kernel with the split count a runtime int and the splits merging themselves: one compiled
     kernel for every count. Why: the decode rows of a mixed step launched apart from its prompt chunks (a
@@ -348,6 +355,7 @@ def _decode_any_splits_kernel(
         stride_cache_block, stride_cache_pos, stride_cache_head, stride_table,
         num_q_heads,
         GROUP, BLOCK_H, BLOCK_SIZE, HEAD_DIM, BLOCK_N, num_splits, DOT_PRECISION, KV_FP8, DOT_F16, True, WINDOW,
+        KV_INT8,
     )
 
 
@@ -398,7 +406,8 @@ def paged_decode_attention(
     window: int = 0,
 ) -> torch.Tensor:
     """Attention of each sequence's single new token over its seq_len cached keys; returns [B, Hq, D].
-    `window` > 0: over its last `window` keys only (a sliding window).
+    `window` > 0: over its last `window` keys only (a sliding window). An int8 cache ([N, bs, Hkv, D + 4]) holds
+    rotated rows: `query` and the result are in the rotated basis (kernels/kv_int8.py rotates them).
 
     With several splits the last split of each (sequence, KV head) to arrive merges them (counters from
     `merge_counters`, allocated outside graph capture by the first eager call)."""
@@ -431,7 +440,7 @@ def paged_decode_attention(
         HEAD_DIM=head_dim, BLOCK_N=cfg.block_n, NUM_SPLITS=num_splits,
         DOT_PRECISION=dot_precision(query.dtype), KV_FP8=kv_fp8, DOT_F16=fp8_dot_in_f16(kv_fp8, query.dtype),
         FUSED_MERGE=fused, WINDOW=window, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl_launch(query.device),
+        **pdl_launch(query.device), **({"KV_INT8": True} if is_int8_cache(k_cache) else {}),
     )
     return out
 

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from spmd_engine.kernels.attention_support import check_attention_inputs, dot_precision
+from spmd_engine.kernels.attention_support import check_attention_inputs, dot_precision, is_int8_cache
 from spmd_engine.kernels.decode_attention import (
     DecodeConfig,
     _decode_any_splits_kernel,
@@ -62,7 +62,7 @@ def _mixed_paged_attention_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     DECODE_BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, DOT_F16: tl.constexpr,
-    USE_PDL: tl.constexpr, WINDOW: tl.constexpr = 0,
+    USE_PDL: tl.constexpr, WINDOW: tl.constexpr = 0, KV_INT8: tl.constexpr = False,
 ):
     pdl_prologue(USE_PDL)  # kernels/pdl.py: before any memory access
     pid = tl.program_id(0)
@@ -74,7 +74,7 @@ def _mixed_paged_attention_kernel(
             query, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, scale_log2, k_scale, v_scale,
             stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
             stride_cache_block, stride_cache_pos, stride_cache_head, stride_table,
-            GROUP, BLOCK_SIZE, HEAD_DIM, BLOCK_M, BLOCK_N, DOT_PRECISION, KV_FP8, DOT_F16, WINDOW,
+            GROUP, BLOCK_SIZE, HEAD_DIM, BLOCK_M, BLOCK_N, DOT_PRECISION, KV_FP8, DOT_F16, WINDOW, KV_INT8,
         )
     else:  # the decode grid (split fastest, then KV head, then sequence); decode row = token = sequence
         d = pid - prefill_programs
@@ -88,7 +88,7 @@ def _mixed_paged_attention_kernel(
             num_q_heads,
             GROUP, BLOCK_H, BLOCK_SIZE, HEAD_DIM, DECODE_BLOCK_N, num_splits, DOT_PRECISION, KV_FP8, DOT_F16,
             True,  # with several splits the last arrival merges them (no merge launch, no merge variants)
-            WINDOW,
+            WINDOW, KV_INT8,
         )
 
 
@@ -195,7 +195,8 @@ def plan_paged_attention(
     plan made in the warm-up would hand the graph buffers from outside its pool, freed when the
     metadata is; there every launch allocates its own, as `paged_decode_attention` does.
 
-    `window` > 0: a sliding window (each query sees its last `window` positions), as the two kernels take it."""
+    `window` > 0: a sliding window (each query sees its last `window` positions), as the two kernels take it.
+    An int8 cache: `query` and `out` in the rotated basis, as the two kernels take them."""
     check_attention_inputs("paged_attention_plan", query, k_cache, v_cache)
     kv_fp8 = check_kv_scales("paged_attention_plan", k_cache, k_scale, v_scale)
     num_tokens, num_q_heads, head_dim = query.shape
@@ -211,7 +212,7 @@ def plan_paged_attention(
                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
     common = dict(GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, DOT_PRECISION=dot_precision(query.dtype),
                   KV_FP8=kv_fp8, DOT_F16=fp8_dot_in_f16(kv_fp8, query.dtype), **pdl_launch(query.device),
-                  **({"WINDOW": window} if window else {}))
+                  **({"WINDOW": window} if window else {}), **({"KV_INT8": True} if is_int8_cache(k_cache) else {}))
     num_prefill = num_seqs - num_decode
     has_prefill = num_prefill > 0 and num_tokens > num_decode and max_query_len > 0
     dcfg = decode_config or default_decode_config(head_dim, query.device, kv_fp8)

@@ -102,6 +102,15 @@ def fp8_v_operand(pairs, BLOCK_N: tl.constexpr, WIDTH: tl.constexpr):
 
 
 @triton.jit
+def int8_row_scales(cache, rows, kv_head_offset, valid, HEAD_DIM: tl.constexpr):
+    """An int8 cache's (`kv_cache_dtype=int8`) float32 scales [BLOCK_N] of the tile's rows of one KV head: the 4
+    bytes after each row's HEAD_DIM values, read through a float32 pointer (rows are 4-byte aligned: HEAD_DIM + 4
+    wide). 0 where not valid (never-written bytes are not read)."""
+    scales = (cache + rows + kv_head_offset + HEAD_DIM).to(tl.pointer_type(tl.float32), bitcast=True)
+    return tl.load(scales, mask=valid, other=0.0)
+
+
+@triton.jit
 def online_softmax_step(scores, m_i, l_i):
     """One tile of the running softmax over log2-scaled scores [rows, BLOCK_N] (-inf where not visible):
     (p, the rescale of what came before, the new row max, the new row sum)."""

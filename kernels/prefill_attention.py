@@ -16,13 +16,14 @@ import torch
 import triton
 import triton.language as tl
 
-from spmd_engine.kernels.attention_support import check_attention_inputs, dot_precision
+from spmd_engine.kernels.attention_support import check_attention_inputs, dot_precision, is_int8_cache
 from spmd_engine.kernels.kv_quant import check_kv_scales
 from spmd_engine.kernels.paged_kv_tile import (
     E4M3_MAX,
     fp8_dot_in_f16,
     fp8_dot_operand,
     fp8_v_pair_rows,
+    int8_row_scales,
     online_softmax_step,
     paged_tile,
     paged_tile_offsets,
@@ -69,6 +70,7 @@ def _attend_tile(
     query_pos, scale_log2, stride_block, stride_pos,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, WINDOW: tl.constexpr = 0,
+    KV_INT8: tl.constexpr = False,
 ):
     if KV_FP8:
         # the tile's keys as its even positions, then its odd ones: V's pair rows (kv_quant.FP8_V_LAYOUT) split
@@ -112,6 +114,8 @@ def _attend_tile(
     if KV_FP8 and q.dtype == tl.float32:  # float32 model: upcast exactly, dot in float32
         k = k.to(tl.float32)
     scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * scale_log2
+    if KV_INT8:  # q.(s_k k8) = s_k (q.k8): the int8 values go into the dot exactly, the row scales after it
+        scores = scores * int8_row_scales(k_cache, rows, kv_head_offset, valid, HEAD_DIM)[None, :]
     if MASKED:
         visible = (positions[None, :] <= query_pos[:, None]) & valid[None, :]
         if WINDOW > 0:
@@ -126,6 +130,8 @@ def _attend_tile(
         pv = tl.dot(p_even, v_even, input_precision=DOT_PRECISION)
         acc = acc * alpha[:, None] + tl.dot(p_odd, v_odd, pv, input_precision=DOT_PRECISION)
     else:
+        if KV_INT8:  # sum p (s_v v8) = sum (p s_v) v8
+            p = p * int8_row_scales(v_cache, rows, kv_head_offset, valid, HEAD_DIM)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
@@ -138,7 +144,7 @@ def prefill_program(
     stride_cache_block, stride_cache_pos, stride_cache_head, stride_table,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
-    DOT_F16: tl.constexpr, WINDOW: tl.constexpr = 0,
+    DOT_F16: tl.constexpr, WINDOW: tl.constexpr = 0, KV_INT8: tl.constexpr = False,
 ):
     """One (query tile, query head, sequence) of the prefill kernel: shared with the mixed-batch
     kernel (kernels/mixed_attention.py), so a prompt chunk computes the same bits in either launch."""
@@ -183,13 +189,13 @@ def prefill_program(
             acc, m_i, l_i = _attend_tile(
                 q, acc, m_i, l_i, k_cache, v_cache, block_table_row, tile_start, seq_len,
                 kv_head_offset, query_pos, scale_log2, stride_cache_block, stride_cache_pos,
-                BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, DOT_PRECISION, KV_FP8, WINDOW,
+                BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, DOT_PRECISION, KV_FP8, WINDOW, KV_INT8,
             )
     for tile_start in range(unmasked_start, unmasked_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_cache, v_cache, block_table_row, tile_start, seq_len,
             kv_head_offset, query_pos, scale_log2, stride_cache_block, stride_cache_pos,
-            BLOCK_SIZE, BLOCK_N, HEAD_DIM, False, DOT_PRECISION, KV_FP8,
+            BLOCK_SIZE, BLOCK_N, HEAD_DIM, False, DOT_PRECISION, KV_FP8, 0, KV_INT8,
         )
     # the diagonal band and the sequence end: causal + length mask
     masked_end = tl.minimum(seq_len, context_len + first_row + BLOCK_M)
@@ -197,7 +203,7 @@ def prefill_program(
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, k_cache, v_cache, block_table_row, tile_start, seq_len,
             kv_head_offset, query_pos, scale_log2, stride_cache_block, stride_cache_pos,
-            BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, DOT_PRECISION, KV_FP8, WINDOW,
+            BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, DOT_PRECISION, KV_FP8, WINDOW, KV_INT8,
         )
 
     if WINDOW > 0:  # a padding row past the sequence may see no key: 0, not 0 / 0 (it is not stored)
@@ -220,7 +226,7 @@ def _paged_prefill_kernel(
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
     DOT_F16: tl.constexpr,
-    USE_PDL: tl.constexpr, WINDOW: tl.constexpr = 0,
+    USE_PDL: tl.constexpr, WINDOW: tl.constexpr = 0, KV_INT8: tl.constexpr = False,
 ):
     pdl_prologue(USE_PDL)  # kernels/pdl.py: before any memory access
     prefill_program(
@@ -229,7 +235,7 @@ def _paged_prefill_kernel(
         query, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, scale_log2, k_scale, v_scale,
         stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
         stride_cache_block, stride_cache_pos, stride_cache_head, stride_table,
-        GROUP, BLOCK_SIZE, HEAD_DIM, BLOCK_M, BLOCK_N, DOT_PRECISION, KV_FP8, DOT_F16, WINDOW,
+        GROUP, BLOCK_SIZE, HEAD_DIM, BLOCK_M, BLOCK_N, DOT_PRECISION, KV_FP8, DOT_F16, WINDOW, KV_INT8,
     )
 
 
@@ -250,7 +256,8 @@ def paged_prefill_attention(
     window: int = 0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached + new keys; returns [T, Hq, D].
-    `window` > 0: each query sees only its last `window` positions (a sliding window)."""
+    `window` > 0: each query sees only its last `window` positions (a sliding window). An int8 cache
+    ([N, bs, Hkv, D + 4]): `query` and the result are in the rotated basis (kernels/kv_int8.py)."""
     check_attention_inputs("paged_prefill_attention", query, k_cache, v_cache)
     kv_fp8 = check_kv_scales("paged_prefill_attention", k_cache, k_scale, v_scale)
     num_tokens, num_q_heads, head_dim = query.shape
@@ -274,5 +281,6 @@ def paged_prefill_attention(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=dot_precision(query.dtype), KV_FP8=kv_fp8,
         DOT_F16=fp8_dot_in_f16(kv_fp8, query.dtype), WINDOW=window,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(query.device),
+        **({"KV_INT8": True} if is_int8_cache(k_cache) else {}),
     )
     return out

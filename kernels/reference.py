@@ -462,9 +462,10 @@ def store_kv_int8_reference(key: torch.Tensor, value: torch.Tensor, k_cache: tor
 
 def paged_attention_int8_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                    cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                                   scale: float) -> torch.Tensor:
+                                   scale: float, window: int = 0) -> torch.Tensor:
     """`paged_attention_reference` over an int8 cache: the blocks the tables name dequantized (rotated), q
-    rotated alike, attention in float32, the output rotated back; returns query.dtype."""
+    rotated alike, attention in float32 (over each query's last `window` positions when > 0), the output
+    rotated back; returns query.dtype."""
     d = k_cache.shape[-1] - KV_INT8_SCALE_BYTES
     block_size = k_cache.shape[1]
     needed = (seq_lens.long() + block_size - 1) // block_size
@@ -476,5 +477,6 @@ def paged_attention_int8_reference(query: torch.Tensor, k_cache: torch.Tensor, v
     k = dequantize_kv_int8_reference(k_cache[used])
     v = dequantize_kv_int8_reference(v_cache[used])
     h = hadamard_reference(d, query.device)
-    out = paged_attention_reference(query.float() @ h, k, v, cu_seqlens_q, seq_lens, tables.to(torch.int32), scale)
+    out = paged_attention_reference(query.float() @ h, k, v, cu_seqlens_q, seq_lens, tables.to(torch.int32), scale,
+                                    window=window)
     return (out @ h).to(query.dtype)

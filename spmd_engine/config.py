@@ -98,7 +98,7 @@ class EngineConfig:
     device: str = "auto"  # auto | cuda | cpu
     dtype: str = "auto"  # auto | bfloat16 | float16 | float32
     # auto (the model dtype) | fp8 (float8_e4m3fn, per-head scales) | int8 (per token and head, Hadamard-rotated;
-    # attention_backend=torch only)
+    # Triton kernels on CUDA, torch on CPU)
     kv_cache_dtype: str = "auto"
     # auto | fp8 | none: fp8 = e4m3 weights and activations in the linear layers (an FP8 checkpoint's block
     # scales, or a 16-bit checkpoint quantized at load); auto = fp8 for an FP8 checkpoint, else none
@@ -147,8 +147,6 @@ class EngineConfig:
                f"dtype must be one of auto|bfloat16|float16|float32, got {self.dtype!r}")
         _check(self.kv_cache_dtype in ("auto", "fp8", "int8"),
                f"kv_cache_dtype must be one of auto|fp8|int8, got {self.kv_cache_dtype!r}")
-        _check(self.kv_cache_dtype != "int8" or self.attention_backend in ("auto", "torch"),
-               f"kv_cache_dtype=int8 runs on attention_backend=torch only, got {self.attention_backend!r}")
         _check(self.kv_cache_dtype != "fp8" or self.block_size >= 2,
                f"kv_cache_dtype=fp8 needs block_size >= 2 (its V cache stores pairs of positions), "
                f"got {self.block_size}")

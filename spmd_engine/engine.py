@@ -141,11 +141,8 @@ class Engine:
         self.dtype = resolve_dtype(cfg.dtype, self.device, self.shape.torch_dtype)
         backend = agreed(lambda: resolve_backend(cfg.attention_backend, self.device, cfg.block_size,
                                                  self.shape.head_dim))
-        if cfg.kv_cache_dtype == "int8":  # only the torch reference reads an int8 cache (kernels/reference.py)
+        if cfg.kv_cache_dtype == "int8":  # torch on CPU, the Triton kernels on CUDA (kernels/kv_int8.py)
             agreed(lambda: _power_of_two_head_dim(self.shape.head_dim))
-            if backend != "torch":
-                log.warning("kv_cache_dtype=int8: torch attention (the Triton and CUDA kernels do not read it)")
-            backend = "torch"
         agreed(self._check_planned_kv_capacity)  # before the weights load: a too-small pool fails fast
         # collective over the replica's group; tp_allreduce=symm_mem that cannot run fails every rank alike
         self.tp_allreduce = agreed(self._make_tp_allreduce)

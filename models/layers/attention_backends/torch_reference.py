@@ -25,7 +25,7 @@ class TorchAttentionBackend(AttentionBackend):
                out: torch.Tensor | None) -> torch.Tensor:
         if layer.k_cache.dtype == torch.int8:
             return paged_attention_int8_reference(q, layer.k_cache, layer.v_cache, attn.cu_seqlens_q, attn.seq_lens,
-                                                  attn.block_tables, layer.scale)
+                                                  attn.block_tables, layer.scale, window=layer.window)
         return paged_attention_reference(q, layer.k_cache, layer.v_cache, attn.cu_seqlens_q, attn.seq_lens,
                                          attn.block_tables, layer.scale, layer.k_scale, layer.v_scale,
                                          window=layer.window)

@@ -6,6 +6,9 @@ step over a cache named in `ROTARY_IN_DECODE_CACHES` (where it was measured fast
 decode attention launch (kernels/decode_rotary_attention.py). Prefill and mixed steps run the step's plan
 (kernels/mixed_attention.py): the decode rows at split-KV decode-kernel efficiency, the prompt chunks at
 prefill efficiency, one launch for both.
+
+An int8 cache (`kv_cache_dtype=int8`, kernels/kv_int8.py): the store rotates and quantizes (no fused store or
+rotary decode), and `attend` rotates q before the planned launch and its float32 output back after it.
 """
 from __future__ import annotations
 
@@ -27,18 +30,23 @@ class TritonAttentionBackend(AttentionBackend):
 
     def __init__(self) -> None:
         # modules, not functions: a kernel is looked up at each call (tests count launches by replacing it)
-        from spmd_engine.kernels import decode_rotary_attention, kv_store, mixed_attention, qk_norm_rope_store
+        from spmd_engine.kernels import decode_rotary_attention, kv_int8, kv_store, mixed_attention, qk_norm_rope_store
 
-        self.kv_store, self.mixed_attention = kv_store, mixed_attention
+        self.kv_store, self.mixed_attention, self.kv_int8 = kv_store, mixed_attention, kv_int8
         self.qk_norm_rope_store, self.rotary_decode = qk_norm_rope_store, decode_rotary_attention
 
     def store(self, layer: AttentionLayer, k: torch.Tensor, v: torch.Tensor, attn: AttentionMetadata) -> None:
+        if layer.k_cache.dtype == torch.int8:
+            self.kv_int8.store_kv_int8(k, v, layer.k_cache, layer.v_cache, attn.slot_mapping)
+            return
         self.kv_store.store_kv(k, v, layer.k_cache, layer.v_cache, attn.slot_mapping, layer.k_scale, layer.v_scale)
 
     def rotate_and_store(self, layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          cos_sin: CosSin, attn: AttentionMetadata, qk_norm: QKNorm | None) -> torch.Tensor | None:
         """kernels/qk_norm_rope_store.py: the same bits as the separate kernels; None where it does not fuse."""
         fused = self.qk_norm_rope_store
+        if layer.k_cache.dtype == torch.int8:
+            return None
         v = v.view(q.shape[0], layer.num_kv_heads, layer.head_dim)
         if not fused.can_fuse(q, k, v, *cos_sin, qk_norm is not None):
             return None
@@ -69,10 +77,19 @@ class TritonAttentionBackend(AttentionBackend):
         """The step's plan (kernels/mixed_attention.py), host ints only, no device sync. Everything the same for
         every layer of the step (checks, split count, configs, grids, partial buffers) is planned by the step's
         first layer and kept on `attn`."""
-        mixed = self.mixed_attention
         out = torch.empty_like(q) if out is None else out
         if q.stride(2) != 1:
             q = q.contiguous()
+        if layer.k_cache.dtype == torch.int8:  # the kernels attend in the cache's rotated basis
+            rotated_out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+            self._attend_planned(layer, self.kv_int8.rotate_rows(q.contiguous()), attn, rotated_out)
+            return self.kv_int8.rotate_rows(rotated_out, out=out) if out.is_contiguous() else \
+                out.copy_(self.kv_int8.rotate_rows(rotated_out, dtype=out.dtype))
+        return self._attend_planned(layer, q, attn, out)
+
+    def _attend_planned(self, layer: AttentionLayer, q: torch.Tensor, attn: AttentionMetadata,
+                        out: torch.Tensor) -> torch.Tensor:
+        mixed = self.mixed_attention
         key = mixed.plan_key(q, layer.k_cache, out, layer.k_scale is not None, layer.window)
         plan = attn.launch_plans.get(key)
         decode_rows = self.mixed_decode_rows(layer, q, attn)

@@ -251,6 +251,7 @@ def test_the_engine_picks_the_backend_once_for_every_attention_layer():
     assert type(bf16) is CudaDecodeAttentionBackend and bf16.kernel.module.supports is supports_16
     for off in (select_attention_backend("triton", cuda, "fp8", cuda_decode=True, cuda_fp8_decode=False),
                 select_attention_backend("triton", cuda, "auto", cuda_decode=False, cuda_fp8_decode=True),
+                select_attention_backend("triton", cuda, "int8"),  # no CUDA decode kernel reads an int8 cache
                 select_attention_backend("triton", torch.device("cpu"), "auto"), select_attention_backend("triton")):
         assert type(off) is TritonAttentionBackend
     assert type(select_attention_backend("torch", cuda, "fp8")) is TorchAttentionBackend
