@@ -55,7 +55,7 @@ def _quantize_store(x_ptrs, live, h, cache, rows, HEAD_DIM: tl.constexpr):
     tl.store((cache + rows + HEAD_DIM).to(tl.pointer_type(tl.float32), bitcast=True), scale, mask=live)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # a count that follows the batch: no variant compiled mid-job
 def _store_kv_int8_kernel(
     key, value, k_cache, v_cache, slot_mapping, hadamard_matrix, num_tokens,
     stride_key_tok, stride_key_head, stride_value_tok, stride_value_head,
@@ -106,30 +106,33 @@ def store_kv_int8(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     )
 
 
-@triton.jit
-def _rotate_rows_kernel(x, out, hadamard_matrix, num_rows, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
-                        USE_PDL: tl.constexpr):
-    pdl_prologue(USE_PDL)
+@triton.jit(do_not_specialize=["num_rows"])
+def _rotate_rows_kernel(x, out, hadamard_matrix, num_rows, num_heads, stride_x_tok, stride_x_head, stride_o_tok,
+                        stride_o_head, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_prologue(USE_PDL)  # kernels/pdl.py: before any memory access
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     live = rows < num_rows
-    dims = tl.arange(0, HEAD_DIM)
-    h = tl.load(hadamard_matrix + dims[:, None] * HEAD_DIM + dims[None, :])
-    offsets = rows.to(tl.int64)[:, None] * HEAD_DIM + dims[None, :]
-    rotated = _rotate_tile(x + offsets, live, h)
-    tl.store(out + offsets, rotated.to(out.dtype.element_ty), mask=live[:, None])
+    tok, head = (rows // num_heads).to(tl.int64), rows % num_heads
+    dims = tl.arange(0, HEAD_DIM)[None, :]
+    h = tl.load(hadamard_matrix + tl.arange(0, HEAD_DIM)[:, None] * HEAD_DIM + dims)
+    rotated = _rotate_tile(x + (tok * stride_x_tok + head * stride_x_head)[:, None] + dims, live, h)
+    tl.store(out + (tok * stride_o_tok + head * stride_o_head)[:, None] + dims, rotated.to(out.dtype.element_ty),
+             mask=live[:, None])
 
 
 def rotate_rows(x: torch.Tensor, out: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x [..., D] (contiguous) times the Hadamard matrix in float32, rounded once to `dtype` (x's by default),
-    into `out` when given: the query's rotation before int8-cache attention and the output's after it."""
-    head_dim = x.shape[-1]
+    """x [T, H, D] (any token and head strides) times the Hadamard matrix in float32, rounded once to `dtype`
+    (x's by default), into `out` [T, H, D] when given (a new contiguous tensor otherwise): the query's rotation
+    before int8-cache attention and the output's after it."""
+    num_tokens, num_heads, head_dim = x.shape
     if out is None:
         out = torch.empty(x.shape, dtype=dtype or x.dtype, device=x.device)
-    if not x.is_contiguous() or not out.is_contiguous() or out.shape != x.shape:
-        raise ValueError(f"rotate_rows: x {tuple(x.shape)} and out {tuple(out.shape)} must be contiguous, alike")
-    num_rows = x.numel() // head_dim
+    if out.shape != x.shape or x.stride(2) != 1 or out.stride(2) != 1:
+        raise ValueError(f"rotate_rows: x {tuple(x.shape)} and out {tuple(out.shape)} must match, head_dim contiguous")
+    num_rows = num_tokens * num_heads
     if num_rows:
         _rotate_rows_kernel[(triton.cdiv(num_rows, ROWS),)](
-            x, out, hadamard(head_dim, x.device), num_rows, HEAD_DIM=head_dim, BLOCK_R=ROWS,
-            num_warps=4 if head_dim >= 128 else 1, **pdl_launch(x.device))
+            x, out, hadamard(head_dim, x.device), num_rows, num_heads, x.stride(0), x.stride(1), out.stride(0),
+            out.stride(1), HEAD_DIM=head_dim, BLOCK_R=ROWS, num_warps=4 if head_dim >= 128 else 1,
+            **pdl_launch(x.device))
     return out

@@ -32,7 +32,7 @@ def reference(batch, window=0):
 
 def rotated(attend, batch):
     """`attend(q H)` H: the kernels read the cache in the rotated basis."""
-    out = attend(rotate_rows(batch.query.contiguous()), torch.empty(batch.query.shape, dtype=torch.float32,
+    out = attend(rotate_rows(batch.query), torch.empty(batch.query.shape, dtype=torch.float32,
                                                                     device=DEVICE))
     return rotate_rows(out, dtype=batch.query.dtype)
 
@@ -58,10 +58,15 @@ def test_store_writes_the_reference_rows_and_skips_padding():
         assert (mine.view(40, 2, 20)[untouched] == 7).all()
 
 
-def test_rotation_is_its_own_inverse():
+def test_rotation_is_its_own_inverse_and_takes_strided_rows():
     x = torch.randn(5, 3, 32, device=DEVICE)
     torch.testing.assert_close(rotate_rows(rotate_rows(x)), x, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(rotate_rows(x), x @ hadamard(32, x.device), atol=1e-6, rtol=1e-6)
+    wide = torch.randn(5, 5, 32, device=DEVICE)
+    out = torch.zeros(5, 4, 32, device=DEVICE)
+    rotate_rows(wide[:, 1:4], out=out[:, :3])
+    torch.testing.assert_close(out[:, :3], wide[:, 1:4] @ hadamard(32, x.device), atol=1e-6, rtol=1e-6)
+    assert not out[:, 3].any()
 
 
 # (seq_lens, block_size, Hq, Hkv, head_dim, dtype, num_splits, window, max rel error)

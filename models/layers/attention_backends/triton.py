@@ -82,9 +82,8 @@ class TritonAttentionBackend(AttentionBackend):
             q = q.contiguous()
         if layer.k_cache.dtype == torch.int8:  # the kernels attend in the cache's rotated basis
             rotated_out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-            self._attend_planned(layer, self.kv_int8.rotate_rows(q.contiguous()), attn, rotated_out)
-            return self.kv_int8.rotate_rows(rotated_out, out=out) if out.is_contiguous() else \
-                out.copy_(self.kv_int8.rotate_rows(rotated_out, dtype=out.dtype))
+            self._attend_planned(layer, self.kv_int8.rotate_rows(q), attn, rotated_out)
+            return self.kv_int8.rotate_rows(rotated_out, out=out)
         return self._attend_planned(layer, q, attn, out)
 
     def _attend_planned(self, layer: AttentionLayer, q: torch.Tensor, attn: AttentionMetadata,
