@@ -21,7 +21,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # triton 
 REPO = Path(__file__).resolve().parents[2]
 # every module whose kernels run in a decode / mixed step or the sampler
 KERNEL_MODULES = ("gemv", "rms_norm", "qk_norm_rope_store", "decode_attention", "decode_rotary_attention",
-                  "mixed_attention", "prefill_attention", "kv_store", "silu_and_mul", "rotary", "sampling_noise")
+                  "mixed_attention", "prefill_attention", "kv_store", "kv_int8", "silu_and_mul", "rotary",
+                  "sampling_noise")
 
 
 @pytest.fixture(autouse=True)
@@ -50,8 +51,8 @@ def test_every_kernel_waits_for_its_predecessor_before_anything_else():
             body = node.body[1:] if isinstance(node.body[0], ast.Expr) and isinstance(
                 node.body[0].value, ast.Constant) else node.body
             assert ast.unparse(body[0]) == "pdl_prologue(USE_PDL)", f"{name}.{node.name} starts with something else"
-    assert kernels == 18  # gemv 1, rms_norm 2, qk 1, decode 2, rotary decode 1, mixed 1, prefill 1, kv 1, silu 1,
-    # rotary 1, sampling 6
+    assert kernels == 20  # gemv 1, rms_norm 2, qk 1, decode 2, rotary decode 1, mixed 1, prefill 1, kv 1, kv_int8 2,
+    # silu 1, rotary 1, sampling 6
 
 
 def test_off_on_cpu_and_under_the_interpreter_whatever_is_requested(monkeypatch):
