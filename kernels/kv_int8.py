@@ -13,6 +13,8 @@ reference's.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -24,16 +26,22 @@ ROWS = 16  # rows per tile: tl.dot's least
 _INT8_MAX = tl.constexpr(KV_INT8_MAX)
 _ROUNDER = tl.constexpr(12582912.0)  # 1.5 * 2**23: float32's ulp there is 1, so +c-c rounds to nearest even
 
-_HADAMARD: dict[tuple[int, torch.device], torch.Tensor] = {}
+@functools.lru_cache(maxsize=None)
+def hadamard_entry(head_dim: int) -> float:
+    """|H[i, j]| = 1 / sqrt(head_dim) as the reference's float32 holds it."""
+    return hadamard_reference(head_dim)[0, 0].item()
 
 
-def hadamard(head_dim: int, device: torch.device) -> torch.Tensor:
-    """The orthonormal [head_dim, head_dim] float32 Hadamard matrix on `device`, made once (the engine's eager
-    warm-up steps make it before any graph capture)."""
-    key = (head_dim, device)
-    if key not in _HADAMARD:
-        _HADAMARD[key] = hadamard_reference(head_dim, device).contiguous()
-    return _HADAMARD[key]
+@triton.jit
+def _hadamard_tile(HEAD_DIM: tl.constexpr, ENTRY: tl.constexpr):
+    """H [HEAD_DIM, HEAD_DIM] float32 made in registers (no matrix in memory, nothing allocated, so nothing made
+    inside a graph capture): Sylvester's H[i, j] = (-1)^popcount(i & j) / sqrt(D), the parity folded from 8 bits
+    (HEAD_DIM <= 256)."""
+    bits = tl.arange(0, HEAD_DIM)[:, None] & tl.arange(0, HEAD_DIM)[None, :]
+    bits = bits ^ (bits >> 4)
+    bits = bits ^ (bits >> 2)
+    bits = bits ^ (bits >> 1)
+    return tl.where((bits & 1) == 0, ENTRY, -ENTRY).to(tl.float32)
 
 
 @triton.jit
@@ -57,10 +65,10 @@ def _quantize_store(x_ptrs, live, h, cache, rows, HEAD_DIM: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_tokens"])  # a count that follows the batch: no variant compiled mid-job
 def _store_kv_int8_kernel(
-    key, value, k_cache, v_cache, slot_mapping, hadamard_matrix, num_tokens,
+    key, value, k_cache, v_cache, slot_mapping, num_tokens,
     stride_key_tok, stride_key_head, stride_value_tok, stride_value_head,
     stride_cache_block, stride_cache_pos, stride_cache_head, block_size,
-    HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, USE_PDL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, ENTRY: tl.constexpr, BLOCK_T: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)  # kernels/pdl.py: before any memory access
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -69,7 +77,7 @@ def _store_kv_int8_kernel(
     live = slots >= 0
     slots = tl.where(live, slots, 0)
     dims = tl.arange(0, HEAD_DIM)
-    h = tl.load(hadamard_matrix + dims[:, None] * HEAD_DIM + dims[None, :])
+    h = _hadamard_tile(HEAD_DIM, ENTRY)
     rows = (slots // block_size) * stride_cache_block + (slots % block_size) * stride_cache_pos \
         + head * stride_cache_head
     tok = tokens.to(tl.int64)[:, None]
@@ -99,22 +107,23 @@ def store_kv_int8(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     if value.stride(2) != 1:
         value = value.contiguous()
     _store_kv_int8_kernel[(triton.cdiv(num_tokens, ROWS), num_heads)](
-        key, value, k_cache, v_cache, slot_mapping, hadamard(head_dim, key.device), num_tokens,
+        key, value, k_cache, v_cache, slot_mapping, num_tokens,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.shape[1],
-        HEAD_DIM=head_dim, BLOCK_T=ROWS, num_warps=4 if head_dim >= 128 else 1, **pdl_launch(key.device),
+        HEAD_DIM=head_dim, ENTRY=hadamard_entry(head_dim), BLOCK_T=ROWS, num_warps=4 if head_dim >= 128 else 1,
+        **pdl_launch(key.device),
     )
 
 
 @triton.jit(do_not_specialize=["num_rows"])
-def _rotate_rows_kernel(x, out, hadamard_matrix, num_rows, num_heads, stride_x_tok, stride_x_head, stride_o_tok,
-                        stride_o_head, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr):
+def _rotate_rows_kernel(x, out, num_rows, num_heads, stride_x_tok, stride_x_head, stride_o_tok, stride_o_head,
+                        HEAD_DIM: tl.constexpr, ENTRY: tl.constexpr, BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_prologue(USE_PDL)  # kernels/pdl.py: before any memory access
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     live = rows < num_rows
     tok, head = (rows // num_heads).to(tl.int64), rows % num_heads
     dims = tl.arange(0, HEAD_DIM)[None, :]
-    h = tl.load(hadamard_matrix + tl.arange(0, HEAD_DIM)[:, None] * HEAD_DIM + dims)
+    h = _hadamard_tile(HEAD_DIM, ENTRY)
     rotated = _rotate_tile(x + (tok * stride_x_tok + head * stride_x_head)[:, None] + dims, live, h)
     tl.store(out + (tok * stride_o_tok + head * stride_o_head)[:, None] + dims, rotated.to(out.dtype.element_ty),
              mask=live[:, None])
@@ -132,7 +141,7 @@ def rotate_rows(x: torch.Tensor, out: torch.Tensor | None = None, dtype: torch.d
     num_rows = num_tokens * num_heads
     if num_rows:
         _rotate_rows_kernel[(triton.cdiv(num_rows, ROWS),)](
-            x, out, hadamard(head_dim, x.device), num_rows, num_heads, x.stride(0), x.stride(1), out.stride(0),
-            out.stride(1), HEAD_DIM=head_dim, BLOCK_R=ROWS, num_warps=4 if head_dim >= 128 else 1,
+            x, out, num_rows, num_heads, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, ENTRY=hadamard_entry(head_dim), BLOCK_R=ROWS, num_warps=4 if head_dim >= 128 else 1,
             **pdl_launch(x.device))
     return out

@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from spmd_engine.kernels.decode_attention import paged_decode_attention
-from spmd_engine.kernels.kv_int8 import hadamard, rotate_rows, store_kv_int8
+from spmd_engine.kernels.kv_int8 import rotate_rows, store_kv_int8
 from spmd_engine.kernels.mixed_attention import plan_paged_attention
 from spmd_engine.kernels.prefill_attention import paged_prefill_attention
-from spmd_engine.kernels.reference import (paged_attention_int8_reference, quantize_kv_int8_reference,
-                                           store_kv_int8_reference)
+from spmd_engine.kernels.reference import (hadamard_reference, paged_attention_int8_reference,
+                                           quantize_kv_int8_reference, store_kv_int8_reference)
 from tests.kernels.paged_batch import DEVICE, gpu_case, make_paged_batch, rel_error
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # triton interpreter noise
@@ -61,11 +61,11 @@ def test_store_writes_the_reference_rows_and_skips_padding():
 def test_rotation_is_its_own_inverse_and_takes_strided_rows():
     x = torch.randn(5, 3, 32, device=DEVICE)
     torch.testing.assert_close(rotate_rows(rotate_rows(x)), x, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(rotate_rows(x), x @ hadamard(32, x.device), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(rotate_rows(x), x @ hadamard_reference(32, x.device), atol=1e-6, rtol=1e-6)
     wide = torch.randn(5, 5, 32, device=DEVICE)
     out = torch.zeros(5, 4, 32, device=DEVICE)
     rotate_rows(wide[:, 1:4], out=out[:, :3])
-    torch.testing.assert_close(out[:, :3], wide[:, 1:4] @ hadamard(32, x.device), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(out[:, :3], wide[:, 1:4] @ hadamard_reference(32, x.device), atol=1e-6, rtol=1e-6)
     assert not out[:, 3].any()
 
 
