@@ -1,5 +1,6 @@
-"""Structured outputs under tensor parallelism: grammars live on rank 0 only (it alone samples), so 2 torchrun
-ranks under KV pressure and chunked prefill must give the one-rank job's constrained tokens, row for row."""
+"""Structured outputs over several ranks: grammars live on each replica's rank 0 only (it alone samples), so 2
+tensor-parallel ranks, and 2 data-parallel replicas, under KV pressure and chunked prefill give the one-rank job's
+constrained tokens, row for row."""
 from __future__ import annotations
 
 import json
@@ -31,14 +32,15 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
     ckpt = make_tiny_checkpoint(root / "ckpt", num_kv_heads=2, max_position_embeddings=128)
     prompts = write_prompts_file(root / "prompts.jsonl", LINES)
     rows = {}
-    for name, nproc in (("one", None), ("two", 2)):
-        run_engine(tiny_args(ckpt, root / name, prompts, **KEYS), root, timeout_s=300, nproc=nproc).check()
+    for name, nproc, more in (("one", None, {}), ("tp2", 2, {}), ("dp2", 2, {"data_parallel_size": 2})):
+        run_engine(tiny_args(ckpt, root / name, prompts, **KEYS, **more), root, timeout_s=300, nproc=nproc).check()
         rows[name] = read_outputs(root / name)
     return rows
 
 
-def test_two_ranks_give_the_one_rank_constrained_rows(runs):
-    one, two = runs["one"], runs["two"]
+@pytest.mark.parametrize("layout", ["tp2", "dp2"])
+def test_two_ranks_give_the_one_rank_constrained_rows(runs, layout):
+    one, two = runs["one"], runs[layout]
     assert [r["token_ids"] for r in two] == [r["token_ids"] for r in one]
     assert [r["text"] for r in two] == [r["text"] for r in one]
     choice, regex, schema, _ = one
