@@ -21,7 +21,7 @@ from spmd_engine.models.layers.embedding import ParallelLMHead, VocabParallelEmb
 from spmd_engine.models.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from spmd_engine.models.layers.rotary import RotaryEmbedding
 from spmd_engine.models.layers.weight_loading import new_parameter
-from spmd_engine.models.llama import CosSin, LlamaAttention, LlamaForCausalLM
+from spmd_engine.models.llama import CosSin, LlamaAttention, LlamaForCausalLM, LlamaModel
 from spmd_engine.models.model_config import ModelShape
 from spmd_engine.models.parallel import TensorParallel
 
@@ -152,13 +152,7 @@ class Gemma3Model(nn.Module):
             cos, sin = torch.cat([cos, cos_local], dim=-1), torch.cat([sin, sin_local], dim=-1)
         return hidden, (cos, sin)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
-        hidden, cos_sin = self.embed(input_ids, positions)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(hidden, residual, cos_sin, attn)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+    forward = LlamaModel.forward  # embed, the layers with the fused residual adds, the final norm
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):

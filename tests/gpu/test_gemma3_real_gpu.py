@@ -1,7 +1,7 @@
 """The real Gemma 3 270M on one GPU, its sliding layers on the Triton kernels and CUDA graphs: float32 engine
 tokens equal HF float32's on the GPU, and bf16 engine tokens agree with HF bf16's about as SmolLM2's do (bf16
 drift is inherent: the figures go to docs/PERFORMANCE.md). Also a prompt longer than the 512-token window.
-Run: `python -m pytest -q -s tests/gpu/test_gemma3_real_gpu.py`."""
+Run: `python -m pytest -q -n 0 -s tests/gpu/test_gemma3_real_gpu.py`."""
 from __future__ import annotations
 
 import importlib.util

@@ -259,7 +259,7 @@ ACCEPTANCE_TASKS = [
 def test_smollm2_json_schemas_at_temperature_0_7(smollm2_dir):
     """The acceptance run (docs/STRUCTURED_OUTPUTS.md): SmolLM2 at temperature 0.7, 10 schemas x 2 seeds,
     max_tokens 256: every "stop" output validates, >= 95 % stop; choice and regex outputs match and an
-    arithmetic grammar parses. 10-20 minutes on 2 cores: `SPMD_SLOW_TESTS=1 python -m pytest -q -s
+    arithmetic grammar parses. 10-20 minutes on 2 cores: `SPMD_SLOW_TESTS=1 python -m pytest -q -n 0 -s
     tests/spmd_engine/test_structured_outputs.py -k smollm2_json`."""
     import time
 
