@@ -21,10 +21,23 @@ def smollm2_dir():
     return embedded_model_dir()
 
 
-# Under pytest-xdist (`-n 2 --dist loadgroup`, pyproject's addopts) every module runs on one worker, so a
-# module's fixtures start once. Modules that start rank processes (a job, torchrun, spawned ranks) share one
-# group: one such launch runs at a time, beside one in-process test, so the fault tests' stop times hold on
-# a 2-core machine.
+# With pytest-xdist installed (the test extra), the suite runs in two workers unless `-n` says otherwise
+# (`-n 0`: one process, needed for `-s` output). Every module runs on one worker, so its fixtures start once;
+# modules that start rank processes (a job, torchrun, spawned ranks) share one group: one such launch runs at
+# a time, beside one in-process test, so the fault tests' stop times hold on a 2-core machine.
+WORKERS = 2
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    if not config.pluginmanager.hasplugin("xdist") or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    if config.option.numprocesses is None and not config.getoption("usepdb", False):
+        config.option.numprocesses = WORKERS
+    if config.option.numprocesses and config.option.dist == "no":
+        config.option.dist = "loadgroup"
+
+
 _RANK_DIRS = ("tests/faults/", "tests/e2e/", "tests/launch/", "tests/gpu/")
 _RANK_SOURCES = re.compile(r"run_engine|spawned_ranks|api_ranks|update_ranks|torchrun|engine_runs")
 
