@@ -8,7 +8,7 @@ rows that need it (a step without such rows costs nothing).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence as Seq
+from collections.abc import Collection, Iterable, Sequence as Seq
 
 import torch
 
@@ -24,14 +24,17 @@ def stop_tokens_of(seq: Sequence, eos_token_ids: Iterable[int]) -> list[int]:
 
 
 def min_tokens_mask(picked: Seq[tuple[Sequence, int]], eos_token_ids: Iterable[int],
-                    vocab_size: int) -> tuple[list[int], list[int]]:
+                    vocab_size: int, exempt: Collection[int] = ()) -> tuple[list[int], list[int]]:
     """(rows, columns) of the logits to set to -inf: the stop tokens of every row whose draw comes
     before its request's min_tokens (vLLM's MinTokensLogitsProcessor). `picked`: (sequence, position
-    of the token being drawn) per logits row."""
+    of the token being drawn) per logits row; `exempt`: rows left alone (a grammar that allows only its stop
+    tokens: the constrained output is complete, min_tokens cannot add to it)."""
     eos = list(eos_token_ids)
     rows: list[int] = []
     cols: list[int] = []
     for row, (seq, position) in enumerate(picked):
+        if row in exempt:
+            continue
         if seq.params.min_tokens and position - seq.num_prompt_tokens < seq.params.min_tokens:
             for token in stop_tokens_of(seq, eos):
                 if 0 <= token < vocab_size:
@@ -42,9 +45,9 @@ def min_tokens_mask(picked: Seq[tuple[Sequence, int]], eos_token_ids: Iterable[i
 
 @torch.inference_mode()
 def apply_min_tokens(logits: torch.Tensor, picked: Seq[tuple[Sequence, int]],
-                     eos_token_ids: Iterable[int]) -> torch.Tensor:
-    """Forbid the stop tokens of rows still short of min_tokens, in place; nothing to do: no work at all."""
-    rows, cols = min_tokens_mask(picked, eos_token_ids, logits.shape[-1])
+                     eos_token_ids: Iterable[int], exempt: Collection[int] = ()) -> torch.Tensor:
+    """Forbid the stop tokens of rows still short of min_tokens (but `exempt`), in place; nothing to do: no work."""
+    rows, cols = min_tokens_mask(picked, eos_token_ids, logits.shape[-1], exempt)
     if rows:
         index = to_device_async(torch.tensor([rows, cols], dtype=torch.int64), logits.device)
         logits[index[0], index[1]] = float("-inf")

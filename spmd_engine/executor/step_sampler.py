@@ -18,7 +18,7 @@ import torch
 from spmd_engine.core.plan import prompt_logit_count
 from spmd_engine.core.scheduler import ScheduleOutput
 from spmd_engine.core.sequence import Sequence
-from spmd_engine.executor.logits_processors import apply_min_tokens, apply_penalties_and_min_p
+from spmd_engine.executor.logits_processors import apply_min_tokens, apply_penalties_and_min_p, stop_tokens_of
 from spmd_engine.executor.logprobs import (PendingLogprobs, SampledLogprobRows, compute_logprobs, entry,
                                            host_to_device)
 from spmd_engine.executor.sampler import Sampler, SamplingBatch, seed_bits
@@ -159,11 +159,12 @@ class StepSampler:
         wanted = None
         if any(transformed):  # logprobs of the raw logits, before any transform (None and no work when no row asks)
             wanted = SampledLogprobRows.take(launched.logits, [s.params.logprobs for s in seqs])
+        complete = ()  # rows whose grammar allows only their stop tokens: min_tokens leaves them alone
         if self.grammars:  # structured outputs: the grammar's mask first (min_p then sees the allowed tokens)
-            self._apply_grammars(launched.logits, seqs, rows.counters)
+            complete = self._apply_grammars(launched.logits, seqs, rows.counters)
         if any(transformed):  # some row asks for logprobs, min_tokens, penalties or min_p
             picked = list(zip(seqs, positions))
-            apply_min_tokens(launched.logits, picked, self.eos_token_ids)
+            apply_min_tokens(launched.logits, picked, self.eos_token_ids, complete)
             apply_penalties_and_min_p(launched.logits, picked)
         timeline.mark(launched.index, "sample_start")
         tokens = self._draw(launched, rows, any(transformed))
@@ -172,11 +173,11 @@ class StepSampler:
         return SampledStep(schedule, seqs, tokens, TokenReadback(tokens, self.readback_buffers), pending,
                            launched.prompt_logprobs)
 
-    def _apply_grammars(self, logits: torch.Tensor | None, seqs: list[Sequence], counters: np.ndarray) -> None:
+    def _apply_grammars(self, logits: torch.Tensor | None, seqs: list[Sequence], counters: np.ndarray) -> set[int]:
         """Mask the rows of constrained sequences (not finished) with their grammars' next-token bitmasks. A
         row's counter is the number of output tokens before its draw, all on the host and taken by the
         grammar by now (the previous step's tokens are post-processed first); a grammar that disagrees is
-        rebuilt from the sequence's output."""
+        rebuilt from the sequence's output. Returns the rows whose grammar allows nothing but their stop tokens."""
         rows, states = [], []
         for i, seq in enumerate(seqs):
             state = self.grammars.get(seq.seq_id)
@@ -187,10 +188,14 @@ class StepSampler:
                 self.grammar_rebuilds += 1
             rows.append(i)
             states.append(state)
-        if rows:
-            if self.masks is None:
-                self.masks = GrammarMasks(logits.shape[-1], logits.device)
-            self.masks.apply(logits, rows, states)
+        if not rows:
+            return set()
+        if self.masks is None:
+            self.masks = GrammarMasks(logits.shape[-1], logits.device)
+        # only rows still short of min_tokens need to know (the check reads the row's whole bitmask on the host)
+        stops = [stop_tokens_of(seqs[i], self.eos_token_ids) if int(counters[i]) < seqs[i].params.min_tokens
+                 else None for i in rows]
+        return set(self.masks.apply(logits, rows, states, stops))
 
     def _draw(self, launched: LaunchedStep, rows: SamplingBatch, transformed: bool) -> torch.Tensor:
         """One sampler-graph replay when the step allows it (all greedy / all plain), else the eager sampler."""

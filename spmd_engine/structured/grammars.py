@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterable, Sequence as Seq
 from typing import Any
 
+import numpy as np
 import torch
 
 from spmd_engine.structured.params import FIELD, StructuredOutputsParams
@@ -168,20 +169,24 @@ class GrammarMasks:
         return host
 
     @torch.inference_mode()
-    def apply(self, logits: torch.Tensor, rows: list[int], states: list[GrammarState]) -> None:
-        """-inf, in place, for every token the grammar of logits row rows[i] (states[i]) does not allow next."""
-        live = [(r, s) for r, s in zip(rows, states) if not s.ended]
+    def apply(self, logits: torch.Tensor, rows: list[int], states: list[GrammarState],
+              stop_tokens: list[list[int] | None]) -> list[int]:
+        """-inf, in place, for every token the grammar of logits row rows[i] (states[i]) does not allow next.
+        Returns the rows whose grammar allows nothing but their stop tokens (`stop_tokens[i]`; None: not asked)."""
+        live = [(r, s, stops) for r, s, stops in zip(rows, states, stop_tokens) if not s.ended]
         if not live or logits is None:
-            return
+            return []
         host = self._buffer(len(live))
-        matchers = [s.matcher for _, s in live]
+        matchers = [s.matcher for _, s, _ in live]
         self._batch.batch_fill_next_token_bitmask(matchers, host, list(range(len(live))))
         mask = host[:len(live)]
-        index = torch.tensor([r for r, _ in live], dtype=torch.int64)
+        complete = [r for i, (r, _, stops) in enumerate(live)
+                    if stops is not None and self._only(mask[i].numpy(), stops)]
+        index = torch.tensor([r for r, _, _ in live], dtype=torch.int64)
         if self._stream is None:
             from spmd_engine.kernels.reference import apply_token_bitmask_reference
             apply_token_bitmask_reference(logits, mask, index)
-            return
+            return complete
         from spmd_engine.kernels.token_bitmask import apply_token_bitmask
         with torch.cuda.stream(self._stream):  # beside the forward in flight: the mask is host data only
             dev_mask = mask.to(self.device, non_blocking=True)
@@ -191,6 +196,15 @@ class GrammarMasks:
         dev_mask.record_stream(torch.cuda.current_stream(self.device))
         dev_index.record_stream(torch.cuda.current_stream(self.device))
         apply_token_bitmask(logits, dev_mask, dev_index)
+        return complete
+
+    def _only(self, words: np.ndarray, tokens: list[int]) -> bool:
+        """Whether the bitmask row `words` allows no token but (some of) `tokens`."""
+        rest = words.view(np.uint32).copy()
+        for t in tokens:
+            if 0 <= t < 32 * len(rest):
+                rest[t >> 5] &= np.uint32(0xFFFFFFFF ^ (1 << (t & 31)))
+        return not rest.any()
 
 
 def warm_up_mask_kernel(vocab_size: int, device: torch.device) -> None:

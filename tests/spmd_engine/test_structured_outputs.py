@@ -148,6 +148,20 @@ def test_n_completions_each_follow_the_grammar(llm):
     assert all(c.text in ("alpha", "beta", "gamma") and c.finish_reason == "stop" for c in out.outputs)
 
 
+def test_a_complete_grammar_ends_before_min_tokens(llm):
+    """min_tokens forbids the stop tokens, a complete grammar allows nothing else: the grammar wins (its output
+    is all there is), so the request stops there instead of drawing a token the grammar forbids."""
+    outs = llm.generate(["pick", "pick"], [_params({"choice": ["ab"]}, seed=s, min_tokens=5) for s in (1, 2)],
+                        use_tqdm=False)
+    for out in outs:
+        done = out.outputs[0]
+        assert (done.text, done.finish_reason) == ("ab", "stop"), done
+        assert done.token_ids == [3 + ord("a"), 3 + ord("b"), 1], done  # byte tokens, then EOS (id 1)
+    # a grammar that can go on keeps min_tokens: no stop token before the 8th
+    longer = llm.generate("pick", _params({"regex": "[a-c]+"}, min_tokens=8, max_tokens=12), use_tqdm=False)
+    assert len(longer[0].outputs[0].token_ids) >= 8
+
+
 def test_bad_schema_regex_or_grammar_is_one_error_row(llm):
     bad = [{"regex": "(ab"}, {"json": {"type": "nonsense"}}, {"grammar": "root ::= undefined_rule"},
            {"regex": REGEX}]
