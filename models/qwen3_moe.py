@@ -9,13 +9,11 @@ The partial outputs of the ranks are summed by the same all-reduce as a row-para
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
 from spmd_engine.models.causal_lm import ShardId
-from spmd_engine.models.layers.linear import SmallBatchSwitch, linear
+from spmd_engine.models.layers.linear import SmallBatchSwitch, linear, triton_available
 from spmd_engine.models.layers.weight_loading import copy_checked, new_parameter
 from spmd_engine.models.model_config import ModelShape
 from spmd_engine.models.moe_shape import MOE_TP_SPLIT_INTERMEDIATE, MoeShape
@@ -24,15 +22,6 @@ from spmd_engine.models.qwen3 import Qwen3ForCausalLM
 
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 _WARMED: set[tuple] = set()  # fused MoE kernel configurations compiled in this process (warm_up_kernels)
-
-
-@functools.lru_cache(maxsize=1)
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 class MoeRouter(SmallBatchSwitch, nn.Module):
@@ -103,7 +92,7 @@ class Qwen3MoeSparseBlock(nn.Module):
         pick (CUDA; once per weight shape and dtype), so that none compiles mid-job."""
         w13, w2 = self.experts.w13, self.experts.w2
         key = (tuple(w13.shape), w13.dtype, str(w13.device), self.top_k, max_tokens)
-        if not (w13.is_cuda and _triton_available()) or key in _WARMED:
+        if not (w13.is_cuda and triton_available()) or key in _WARMED:
             return
         from spmd_engine.kernels.fused_moe import warm_up
 
@@ -112,7 +101,7 @@ class Qwen3MoeSparseBlock(nn.Module):
 
     def use_kernels(self, x: torch.Tensor) -> bool:
         """The Triton kernels (CUDA), else the torch reference (CPU)."""
-        return x.is_cuda and _triton_available()
+        return x.is_cuda and triton_available()
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [T, H] -> (routing weights [T, k] float32, expert ids [T, k] int32)."""

@@ -37,7 +37,7 @@ SMALL_BATCH_MAX_M = 16
 
 
 @functools.lru_cache(maxsize=1)
-def _triton_available() -> bool:
+def triton_available() -> bool:
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -46,7 +46,7 @@ def _triton_available() -> bool:
 
 
 def _gemv_device(x: torch.Tensor) -> bool:
-    return x.is_cuda and _triton_available()
+    return x.is_cuda and triton_available()
 
 
 def use_small_batch_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
